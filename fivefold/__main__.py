@@ -1,0 +1,3 @@
+from fivefold.cli import main
+
+raise SystemExit(main())

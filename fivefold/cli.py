@@ -1,0 +1,159 @@
+"""The ``fivefold`` command line.
+
+Every user error is printed as one line (``error: ...``) with a non-zero exit code;
+tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from fivefold.errors import FivefoldError
+from fivefold.models.registry import DEFAULT_LLM
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_LLM, help=f"built-in name, HF directory or GGUF file (default {DEFAULT_LLM})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-memory", type=float, default=1 << 30,
+                   help="KV cache pool: bytes if > 1, else a fraction of available RAM (default 1 GiB)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fivefold", description="Fast model inference, measured.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("models", help="list the built-in models and where their files are")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
+    _add_sampling_args(gen, max_tokens=128)
+
+    chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
+    _add_model_args(chat)
+    chat.add_argument("--system", default=None)
+    _add_sampling_args(chat, max_tokens=256)
+    return parser
+
+
+def _sampling(args):
+    from fivefold.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _llm(args):
+    from fivefold.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+
+
+def cmd_models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fivefold.models.registry import BUILTIN_MODELS
+
+    table = Table(title="built-in models")
+    for col in ("name", "kind", "description", "path"):
+        table.add_column(col)
+    for m in BUILTIN_MODELS.values():
+        path = m.path()
+        table.add_row(m.name, m.kind, m.description, str(path) if path else "[red]not installed[/red]")
+    Console(width=200).print(table)
+    return 0
+
+
+def _stream_to_stdout(llm, prompt, params) -> tuple[int, float]:
+    start = time.perf_counter()
+    first = None
+    num_tokens = 0
+    for out in llm.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+        num_tokens += len(out.delta_token_ids)
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    end = time.perf_counter()
+    decode_s = end - (first or end)
+    return num_tokens, (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
+
+
+def cmd_generate(args) -> int:
+    params = _sampling(args)
+    llm = _llm(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.chat_prompt(messages + [{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    num_tokens, tok_s = _stream_to_stdout(llm, prompt, params)
+    if args.stats:
+        print(f"{num_tokens} tokens, decode {tok_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling(args)
+    llm = _llm(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    print("fivefold chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for out in llm.stream(llm.chat_prompt(system + history), params):
+                reply.append(out.delta_text)
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+        except FivefoldError as exc:  # e.g. the history outgrew the context: say so, keep the session
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except FivefoldError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,52 @@
+"""Engine configuration: KV cache size, batch limits, context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import FivefoldError
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); 8 GiB when it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the LLM engine, validated on construction.
+
+    kv_cache_memory: bytes for the KV block pool when > 1, otherwise a fraction of
+    the RAM available at start. The pool is allocated once and never grows.
+    max_model_len: None means the model's own limit.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: float = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise FivefoldError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise FivefoldError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise FivefoldError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise FivefoldError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory > 1:
+            return int(self.kv_cache_memory)
+        return int(self.kv_cache_memory * available_memory_bytes())

@@ -1,0 +1,36 @@
+"""Incremental detokenization for streaming.
+
+Decoding one token at a time is wrong for byte-level BPE (a character can span
+tokens) and for SentencePiece (a leading space depends on the previous token).
+So each step decodes a short window that starts a few tokens back, and emits the
+text beyond what the same window decoded before; a window ending in an incomplete
+UTF-8 sequence (U+FFFD) emits nothing until it completes.
+"""
+
+from __future__ import annotations
+
+from fivefold.models.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text."""
+        self.token_ids.extend(token_ids)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,164 @@
+"""The engine: a step is schedule, run, sample, postprocess.
+
+Synchronous and single-threaded; the async server wraps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from fivefold.engine.config import EngineConfig
+from fivefold.engine.detokenizer import IncrementalDetokenizer
+from fivefold.engine.kv_cache_manager import KVCacheManager
+from fivefold.engine.model_runner import ModelRunner
+from fivefold.engine.outputs import CompletionOutput, RequestOutput
+from fivefold.engine.sampler import Sampler
+from fivefold.engine.scheduler import Scheduler
+from fivefold.engine.sequence import Sequence
+from fivefold.errors import InvalidRequestError
+from fivefold.models.loader import LoadedModel
+from fivefold.sampling_params import SamplingParams
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    prompt: str | None
+    text: str = ""
+    num_emitted_chars: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(self.config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
+        self.runner = ModelRunner(loaded.model, self.config)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.sampler = Sampler()
+        self.requests: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (text or token ids). Raises InvalidRequestError if it can never run."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n} is not supported by the engine; send n separate requests")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate_lengths(len(token_ids), params.max_tokens)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), text)
+        self.scheduler.add(seq)
+        return request_id
+
+    def validate_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Worst-case admission check: prompt + max_tokens must fit the context and the KV pool."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty; at least one token is required")
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens; the maximum context length is {self.max_model_len}"
+            )
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"maximum context length {self.max_model_len}"
+            )
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens can never fit the KV cache ({capacity} tokens); "
+                f"raise kv_cache_memory"
+            )
+
+    def abort(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and not state.seq.is_finished:
+            state.seq.finish("abort")
+            self.scheduler.finish(state.seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits, sampling = self.runner.execute(batch.scheduled)
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, sampling)
+        outputs = []
+        for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+            state = self.requests[seq.request_id]
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
+            state.text += state.detokenizer.add([token_id])
+            self._check_stop(state, token_id)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+            outputs.append(self._output(state, [token_id]))
+        return outputs
+
+    def _check_stop(self, state: _RequestState, token_id: int) -> None:
+        seq, params = state.seq, state.seq.params
+        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            seq.finish("stop", token_id)
+        elif token_id in params.stop_token_ids:
+            seq.finish("stop", token_id)
+        for stop in params.stop:
+            # Only the tail can hold a new match: the last delta plus len(stop) - 1 characters before it.
+            start = max(0, state.num_emitted_chars - len(stop) + 1)
+            idx = state.text.find(stop, start)
+            if idx >= 0:
+                state.text = state.text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
+                seq.finish("stop", stop)
+                return
+        if seq.is_finished:
+            return
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def _output(self, state: _RequestState, new_token_ids: list[int]) -> RequestOutput:
+        seq = state.seq
+        delta = state.text[state.num_emitted_chars:]
+        state.num_emitted_chars = len(state.text)
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            delta_text=delta,
+            delta_token_ids=new_token_ids,
+            prompt=state.prompt,
+        )

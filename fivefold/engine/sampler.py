@@ -1,0 +1,99 @@
+"""Next-token selection for a batch of sequences: the owner of randomness.
+
+Rows are processed together where the operation is the same for every row
+(penalties, temperature, top-k/top-p/min-p masks), and drawn one row at a time
+with the row's own generator, so a seeded request gets the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fivefold.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (sampled token logprob, [(token_id, logprob), ...] top-N) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition (prompt + output, CTRL rule), presence and frequency (output only, OpenAI rule)."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        output = seq.output_token_ids
+        if output and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[1]).float()
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask (set to -inf) tokens outside each row's top-k, nucleus top-p and min-p."""
+    top_k = [s.params.top_k for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    min_p = [s.params.min_p for s in seqs]
+    vocab = logits.shape[1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+        ranks = torch.arange(vocab).unsqueeze(0)
+        remove = ranks >= ks.unsqueeze(1)
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]):
+    wanted = [s.params.logprobs for s in seqs]
+    if all(w is None for w in wanted):
+        return [None] * len(seqs)
+    logp = raw.log_softmax(dim=-1)
+    out = []
+    for row, (n, token) in enumerate(zip(wanted, token_ids)):
+        if n is None:
+            out.append(None)
+            continue
+        top = logp[row].topk(n) if n else None
+        tops = list(zip(top.indices.tolist(), top.values.tolist())) if n else []
+        out.append((float(logp[row, token]), tops))
+    return out
+
+
+class Sampler:
+    """logits [num_seqs, vocab] (float32) -> one token per sequence."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        raw = logits
+        if any(s.params.has_penalties for s in seqs):
+            logits = apply_penalties(logits.clone(), seqs)
+        greedy = [s.params.is_greedy for s in seqs]
+        token_ids = logits.argmax(dim=-1).tolist()
+        if not all(greedy):
+            temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
+            scaled = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
+            probs = scaled.softmax(dim=-1)
+            for row, seq in enumerate(seqs):
+                if not greedy[row]:
+                    token_ids[row] = int(torch.multinomial(probs[row], 1, generator=seq.generator))
+        return SamplerOutput(token_ids, _logprobs(raw, seqs, token_ids))

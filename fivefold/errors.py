@@ -1,0 +1,19 @@
+"""User-facing errors.
+
+Every problem caused by the user's input (a bad path, an unsupported model, an
+out-of-range parameter) is raised as a :class:`FivefoldError` whose message is one
+line that names the problem and, where there is one, the limit. The CLI prints the
+message and exits non-zero; the server maps it to an OpenAI-style error body.
+"""
+
+
+class FivefoldError(Exception):
+    """An error whose message is meant for the user, never a traceback."""
+
+
+class ModelLoadError(FivefoldError):
+    """The model could not be found, parsed or is not supported."""
+
+
+class InvalidRequestError(FivefoldError):
+    """A request or a parameter is out of range."""

@@ -1,0 +1,78 @@
+"""The Python entry point: ``from fivefold import LLM, SamplingParams``."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence as Seq
+
+from fivefold.engine.config import EngineConfig
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.engine.outputs import RequestOutput
+from fivefold.models.loader import LoadedModel, load_model
+from fivefold.models.registry import DEFAULT_LLM
+from fivefold.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline generation on the continuous-batching engine.
+
+    >>> llm = LLM("smollm2-135m-instruct")
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(self, model: str | LoadedModel = DEFAULT_LLM, dtype: str = "float32", **engine_options) -> None:
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+        self.engine = LLMEngine(self.loaded, EngineConfig(**engine_options))
+        self.tokenizer = self.loaded.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        show_progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if show_progress:
+            from rich.progress import Progress
+
+            progress = Progress(transient=True)
+            task = progress.add_task("generating", total=len(ids))
+            progress.start()
+        try:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if progress:
+                            progress.advance(task)
+        finally:
+            if progress:
+                progress.stop()
+        return [final[i] for i in ids]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation with the model's chat template and a generation prompt."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that added a token."""
+        request_id = self.engine.add_request(prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)

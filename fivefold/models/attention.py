@@ -1,0 +1,115 @@
+"""Attention over a paged KV cache, for a flat batch that mixes prefills and decodes.
+
+The batch is a concatenation of the new tokens of many sequences. Sequence ``i``
+owns flat rows ``query_start_loc[i]:query_start_loc[i+1]`` and, after this step,
+has ``seq_lens[i]`` tokens of context; its keys and values live in the cache blocks
+listed in ``block_tables[i]``. New keys/values are written at ``slot_mapping``
+(``block_id * block_size + offset``) before attention reads them back, so a chunk
+of a prompt attends to the chunks computed in earlier steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# enable_gqa arrived in torch 2.5; before it, repeat the KV heads.
+_HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries, context and cache slots are in this step."""
+
+    query_start_loc: list[int]  # [num_seqs + 1] offsets into the flat token batch
+    seq_lens: list[int]  # [num_seqs] context length after this step's tokens are added
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, is_causal: bool, scale: float):
+    # q: [..., H, Lq, D], k/v: [..., KVH, Lk, D]
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values. kv_cache: [2, num_blocks, block_size, KVH, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, H, D]
+    k: torch.Tensor,  # [num_tokens, KVH, D]
+    v: torch.Tensor,  # [num_tokens, KVH, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's whole context."""
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    decode_rows: list[int] = []
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        query_len, seq_len = end - start, meta.seq_lens[i]
+        if query_len == 1 and seq_len > 1:
+            decode_rows.append(i)
+            continue
+        if query_len == seq_len:
+            # A whole prompt in one step: its keys are the ones just computed.
+            ki, vi = k[start:end], v[start:end]
+            mask, is_causal = None, query_len > 1
+        else:
+            ki, vi = _gather_context(kv_cache, meta.block_tables[i], seq_len)
+            # Query j sits at position seq_len - query_len + j and sees keys up to it.
+            q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+            mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
+        o = _sdpa(q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), mask, is_causal, scale)
+        out[start:end] = o.transpose(0, 1)
+    if decode_rows:
+        _batched_decode(q, kv_cache, meta, decode_rows, scale, out)
+    return out
+
+
+def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    num_blocks = -(-seq_len // kv_cache.shape[2])
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, KVH, D]
+    blocks = blocks.flatten(1, 2)[:, :seq_len]
+    return blocks[0], blocks[1]
+
+
+def _batched_decode(q, kv_cache, meta: AttentionMetadata, rows: list[int], scale: float, out) -> None:
+    """One SDPA call for every single-token query, context padded to the longest.
+
+    Padded key slots read whatever block the padding points at (the cache is
+    zero-initialised, so the values are finite) and are masked out.
+    """
+    seq_lens = torch.tensor([meta.seq_lens[i] for i in rows])
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // meta.block_size)
+    tables = meta.block_tables[rows, :num_blocks]  # [B, n]
+    kv = kv_cache[:, tables].flatten(2, 3)[:, :, :max_len]  # [2, B, L, KVH, D]
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, KVH, L, D]
+    token_rows = torch.tensor([meta.query_start_loc[i] for i in rows])
+    queries = q[token_rows].unsqueeze(2)  # [B, H, 1, D]
+    mask = (torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
+    o = _sdpa(queries, keys, values, mask, False, scale)  # [B, H, 1, D]
+    out[token_rows] = o.squeeze(2)

@@ -1,0 +1,151 @@
+"""GGUF checkpoints: metadata -> ModelConfig, tensors -> Hugging Face-named torch tensors.
+
+Read with the ``gguf`` package; quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the
+rest that ``gguf.quants`` knows) are dequantized to float32 on load.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from fivefold.errors import ModelLoadError
+from fivefold.models.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: Path):
+    """A GGUFReader, with truncation and corruption turned into one-line errors."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct errors, IndexError...
+        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(exc).__name__}: {exc}") from None
+    for tensor in reader.tensors:
+        if tensor.data.nbytes != tensor.n_bytes:
+            raise ModelLoadError(
+                f"corrupt or truncated GGUF file {path}: tensor '{tensor.name}' needs {tensor.n_bytes} bytes, "
+                f"file holds {tensor.data.nbytes}"
+            )
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture '{arch}' in {path.name}; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"corrupt GGUF file {path}: metadata key '{arch}.{key}' is missing")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    rope: dict = {}
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"unsupported rope scaling '{scaling_type}' in {path.name}")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        max_position_embeddings=int(get("context_length", 2048)),
+        is_tied_embeddings="output.weight" not in tensor_names,
+        has_qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        has_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    return None
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) for every tensor of the file."""
+    from gguf import quants
+
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            if tensor.name.startswith("rope_freqs"):
+                continue  # llama3 scaling factors; llama.cpp-only representation
+            raise ModelLoadError(f"unexpected tensor '{tensor.name}' in GGUF file")
+        array = quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
+            array = array.copy()
+        weight = torch.from_numpy(array)
+        # llama.cpp permutes q/k rows of Llama checkpoints only (Qwen uses NeoX RoPE there).
+        if config.architecture == "llama":
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                weight = _unpermute_rope(weight, config.num_heads)
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                weight = _unpermute_rope(weight, config.num_kv_heads)
+        yield name, weight

@@ -1,0 +1,170 @@
+"""Load a model by built-in name, Hugging Face directory or GGUF file.
+
+``load_model`` returns the serving model (weights in the requested dtype), its
+tokenizer and its config. Every failure a user can cause is a one-line
+:class:`~fivefold.errors.ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from fivefold.errors import ModelLoadError
+from fivefold.models.config import ModelConfig
+from fivefold.models.llama import LlamaForCausalLM
+from fivefold.models.registry import resolve_model_path
+from fivefold.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve: module, tokenizer, config and where it came from."""
+
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    format: str  # "gguf" or "hf"
+    name: str
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in SUPPORTED_DTYPES.values():
+            return dtype
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"unsupported dtype '{dtype}'; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def find_checkpoint(path: Path) -> tuple[str, Path]:
+    """('gguf', file) or ('hf', directory) for a path the user gave."""
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf", path
+        if path.name == "config.json":
+            return "hf", path.parent
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    if (path / "config.json").exists():
+        return "hf", path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    raise ModelLoadError(
+        f"no model in {path}: expected config.json + *.safetensors, or exactly one .gguf file"
+        + (f" (found {len(ggufs)} .gguf files)" if ggufs else "")
+    )
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"corrupt config.json in {directory}: {exc}") from None
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json in {directory} lacks {exc}") from None
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"corrupt {index}: {exc}") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"checkpoint shard {f.name} named in {index.name} does not exist")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {directory}")
+    return files
+
+
+def hf_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every safetensors shard of a directory."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in _safetensors_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {exc}") from None
+
+
+def build_model(config: ModelConfig, weights, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Instantiate without allocating (meta device), then assign the loaded tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    from fivefold.models.layers import RotaryEmbedding
+
+    model.rotary = RotaryEmbedding(config)  # its tables are computed, not loaded
+    model.load_weights(weights, dtype)
+    return model.eval()
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load a built-in name, Hugging Face directory or GGUF file for serving."""
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_model_path(name_or_path)
+    fmt, location = find_checkpoint(path)
+    if fmt == "gguf":
+        from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
+
+        reader = open_gguf(location)
+        config = gguf_config(reader, location)
+        tokenizer = load_gguf_tokenizer(location, reader, config.eos_token_ids)
+        weights = gguf_tensors(reader, config)
+    else:
+        config = read_hf_config(location)
+        tokenizer = load_hf_tokenizer(location, config.eos_token_ids)
+        weights = hf_tensors(location)
+    with torch.inference_mode():
+        model = build_model(config, weights, torch_dtype)
+    return LoadedModel(model, tokenizer, config, location, fmt, name_or_path)
+
+
+def export_hf_directory(loaded: LoadedModel, out_dir: str | Path) -> Path:
+    """Write the loaded weights as a Hugging Face directory (float32 safetensors,
+    un-fused names, config.json, tokenizer), e.g. to run transformers or vLLM on
+    exactly the weights we serve."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = loaded.config
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in loaded.model.state_dict().items():
+        if name == "lm_head.weight" and config.is_tied_embeddings:
+            continue
+        tensor = tensor.float().contiguous()
+        if ".qkv_proj." in name:
+            q, k, v = tensor.split([config.q_size, config.kv_size, config.kv_size], dim=0)
+            for part, t in zip("qkv", (q, k, v)):
+                state["model." + name.replace("qkv_proj", f"{part}_proj")] = t.contiguous()
+        elif ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2, dim=0)
+            state["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            state["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        elif name.startswith("lm_head"):
+            state[name] = tensor
+        else:
+            state["model." + name] = tensor
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    loaded.tokenizer.hf.save_pretrained(str(out))
+    return out
