@@ -10,7 +10,7 @@ of a prompt attends to the chunks computed in earlier steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
     block_size: int
+    _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +36,38 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def decode_plan(self) -> "_DecodePlan | None":
+        """Index tensors for the batched decode path, built once per step, shared by all layers."""
+        if self._decode_plan is None:
+            rows = [i for i in range(self.num_seqs) if self.query_len(i) == 1 and self.seq_lens[i] > 1]
+            if not rows:
+                return None
+            seq_lens = [self.seq_lens[i] for i in rows]
+            max_len = max(seq_lens)
+            num_blocks = -(-max_len // self.block_size)
+            lens = torch.tensor(seq_lens)
+            # Unequal lengths need a padding mask; equal ones (e.g. a single stream) do not.
+            mask = None
+            if min(seq_lens) != max_len:
+                mask = (torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
+            self._decode_plan = _DecodePlan(
+                rows=set(rows),
+                token_rows=torch.tensor([self.query_start_loc[i] for i in rows]),
+                tables=self.block_tables[rows, :num_blocks],
+                max_len=max_len,
+                mask=mask,
+            )
+        return self._decode_plan
+
+
+@dataclass
+class _DecodePlan:
+    rows: set[int]  # sequence indices served by the batched decode path
+    token_rows: torch.Tensor  # [B] flat token index of each decode query
+    tables: torch.Tensor  # [B, n] block tables cut to the longest context
+    max_len: int
+    mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is real, None if no padding
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, is_causal: bool, scale: float):
@@ -66,13 +99,12 @@ def paged_attention(
     """Causal attention of every new token over its sequence's whole context."""
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    decode_rows: list[int] = []
+    plan = meta.decode_plan()
     for i in range(meta.num_seqs):
+        if plan is not None and i in plan.rows:
+            continue
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         query_len, seq_len = end - start, meta.seq_lens[i]
-        if query_len == 1 and seq_len > 1:
-            decode_rows.append(i)
-            continue
         if query_len == seq_len:
             # A whole prompt in one step: its keys are the ones just computed.
             ki, vi = k[start:end], v[start:end]
@@ -84,8 +116,8 @@ def paged_attention(
             mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
         o = _sdpa(q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), mask, is_causal, scale)
         out[start:end] = o.transpose(0, 1)
-    if decode_rows:
-        _batched_decode(q, kv_cache, meta, decode_rows, scale, out)
+    if plan is not None:
+        _batched_decode(q, kv_cache, plan, scale, out)
     return out
 
 
@@ -96,20 +128,14 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
     return blocks[0], blocks[1]
 
 
-def _batched_decode(q, kv_cache, meta: AttentionMetadata, rows: list[int], scale: float, out) -> None:
+def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out) -> None:
     """One SDPA call for every single-token query, context padded to the longest.
 
     Padded key slots read whatever block the padding points at (the cache is
     zero-initialised, so the values are finite) and are masked out.
     """
-    seq_lens = torch.tensor([meta.seq_lens[i] for i in rows])
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // meta.block_size)
-    tables = meta.block_tables[rows, :num_blocks]  # [B, n]
-    kv = kv_cache[:, tables].flatten(2, 3)[:, :, :max_len]  # [2, B, L, KVH, D]
+    kv = kv_cache[:, plan.tables].flatten(2, 3)[:, :, : plan.max_len]  # [2, B, L, KVH, D]
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, KVH, L, D]
-    token_rows = torch.tensor([meta.query_start_loc[i] for i in rows])
-    queries = q[token_rows].unsqueeze(2)  # [B, H, 1, D]
-    mask = (torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
-    o = _sdpa(queries, keys, values, mask, False, scale)  # [B, H, 1, D]
-    out[token_rows] = o.squeeze(2)
+    queries = q[plan.token_rows].unsqueeze(2)  # [B, H, 1, D]
+    o = _sdpa(queries, keys, values, plan.mask, False, scale)  # [B, H, 1, D]
+    out[plan.token_rows] = o.squeeze(2)

@@ -73,10 +73,13 @@ def load_hf_tokenizer(directory: Path, eos_token_ids: tuple[int, ...] = ()) -> T
             f"no tokenizer found in {directory} (looked for {', '.join(TOKENIZER_FILES)})"
         )
     _quiet_transformers()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # tokenizer.json is the full pipeline: load it as written. AutoTokenizer would pick the
+    # model family's class, which in transformers 5 may rebuild the pipeline differently.
+    cls = PreTrainedTokenizerFast if (directory / "tokenizer.json").exists() else AutoTokenizer
     try:
-        hf = AutoTokenizer.from_pretrained(str(directory))
+        hf = cls.from_pretrained(str(directory))
     except Exception as exc:
         raise ModelLoadError(f"tokenizer in {directory} could not be loaded: {type(exc).__name__}: {exc}") from None
     return Tokenizer(hf, eos_token_ids)

