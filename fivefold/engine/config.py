@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from fivefold.errors import FivefoldError
 
 
+PREALLOCATION_POLICIES = ("none", "full", "predicted")
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux); 8 GiB when it cannot be read."""
     try:
@@ -26,6 +29,10 @@ class EngineConfig:
     kv_cache_memory: bytes for the KV block pool when > 1, otherwise a fraction of
     the RAM available at start. The pool is allocated once and never grows.
     max_model_len: None means the model's own limit.
+    enable_prefix_caching: reuse the KV blocks of shared prompt prefixes (radix tree).
+    preallocation: blocks reserved when a request is admitted: "none" (only what each
+    step computes), "full" (prompt + max_tokens) or "predicted" (prompt + the 90th
+    percentile of recent output lengths, capped at max_tokens).
     """
 
     block_size: int = 16
@@ -33,6 +40,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preallocation: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -43,6 +52,10 @@ class EngineConfig:
             raise FivefoldError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise FivefoldError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preallocation not in PREALLOCATION_POLICIES:
+            raise FivefoldError(
+                f"preallocation must be one of {', '.join(PREALLOCATION_POLICIES)}, got '{self.preallocation}'"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -6,6 +6,7 @@ Synchronous and single-threaded; the async server wraps it.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 from fivefold.engine.config import EngineConfig
@@ -37,8 +38,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
         self.runner = ModelRunner(loaded.model, self.config)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, self.config.block_size,
+                                       self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
@@ -88,9 +90,11 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting, mid-prefill, mid-decode); its blocks are freed now."""
         state = self.requests.pop(request_id, None)
         if state is not None and not state.seq.is_finished:
             state.seq.finish("abort")
+            state.seq.metrics.finished_time = time.monotonic()
             self.scheduler.finish(state.seq)
 
     @property
@@ -103,20 +107,23 @@ class LLMEngine:
         if batch.is_empty:
             return []
         logits, sampling = self.runner.execute(batch.scheduled)
-        for seq, num_new in batch.scheduled:
-            seq.num_computed_tokens += num_new
+        self.scheduler.postprocess(batch)
         if not sampling:
             return []
         sampled = self.sampler(logits, sampling)
+        now = time.monotonic()
         outputs = []
         for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
             state = self.requests[seq.request_id]
             seq.token_ids.append(token_id)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
             if logprob is not None:
                 seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
             state.text += state.detokenizer.add([token_id])
             self._check_stop(state, token_id)
             if seq.is_finished:
+                seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
             outputs.append(self._output(state, [token_id]))
@@ -160,5 +167,25 @@ class LLMEngine:
             finished=seq.is_finished,
             delta_text=delta,
             delta_token_ids=new_token_ids,
+            num_cached_tokens=seq.num_cached_tokens,
             prompt=state.prompt,
+            metrics=seq.metrics,
         )
+
+    def stats(self) -> dict:
+        """Engine-wide counters: KV pool use, prefix cache, preemptions, reservations."""
+        kv, res = self.kv_cache, self.scheduler.reservations
+        return {
+            "num_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.num_cached_blocks,
+            "num_used_blocks": kv.num_used_blocks,
+            "prefix_cache_queries": kv.stats.num_queries,
+            "prefix_cache_hits": kv.stats.num_hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_reservations": res.num_reservations,
+            "num_reservations_too_small": res.num_too_small,
+            "num_reservations_too_large": res.num_too_large,
+            "num_reserved_blocks_unused": res.num_unused_blocks,
+        }

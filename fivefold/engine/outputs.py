@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivefold.engine.sequence import RequestMetrics
+
 
 @dataclass
 class CompletionOutput:
@@ -27,3 +29,4 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt: str | None = None
+    metrics: RequestMetrics | None = None  # queue_time, ttft, decode_time (seconds)

@@ -4,13 +4,17 @@ Each step the scheduler picks which sequences run and how many tokens each
 computes, within a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``). Running sequences go first, so decodes never wait behind a long
 prompt; a prompt that does not fit the remaining budget is computed in chunks over
-several steps (chunked prefill). When blocks run out, the most recently admitted
-sequence is preempted: its blocks are freed and it is recomputed later from its
-tokens, so no request is lost and greedy output stays identical.
+several steps (chunked prefill). A newly admitted sequence starts after its longest
+cached prefix. When blocks run out, the most recently admitted sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens (its
+published blocks usually still in the prefix cache), so no request is lost and
+greedy output stays identical.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,15 +39,28 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class ReservationStats:
+    """How the pre-allocation policy's guesses turned out."""
+
+    num_reservations: int = 0
+    num_too_small: int = 0  # the sequence outgrew its reservation
+    num_too_large: int = 0  # it finished with whole reserved blocks unused
+    num_unused_blocks: int = 0  # total reserved blocks never written
+
+
 class Scheduler:
     """Owns the waiting and running queues."""
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.reservations = ReservationStats()
+        self.recent_output_lengths: deque[int] = deque(maxlen=100)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,15 +69,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv_cache.allocate_slots(seq, num_new):
+            while not self.kv_cache.allocate_slots(seq, num_new, num_lookahead_tokens=self._lookahead(seq, num_new)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -68,7 +88,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((seq, num_new))
-                scheduled_ids.add(seq.request_id)
                 budget -= num_new
                 i += 1
                 continue
@@ -76,15 +95,48 @@ class Scheduler:
         # Admit waiting sequences, oldest first, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv_cache.allocate_slots(seq, num_new):
+            if seq.num_reserved_tokens == 0 or seq.num_preemptions:
+                seq.num_reserved_tokens = self._reservation(seq)
+            computed = self.kv_cache.get_computed_blocks(seq)
+            num_hit_tokens = len(computed) * self.kv_cache.block_size
+            num_new = min(seq.num_uncomputed_tokens - num_hit_tokens, budget)
+            lookahead = max(0, seq.num_reserved_tokens - (seq.num_computed_tokens + num_hit_tokens + num_new))
+            if not self.kv_cache.allocate_slots(seq, num_new, computed, lookahead):
                 break
             self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                self.kv_cache.record_prefix_query(seq.num_tokens, num_hit_tokens)
+                seq.num_cached_tokens = num_hit_tokens
+                seq.metrics.first_scheduled_time = time.monotonic()
+                if self.config.preallocation != "none":
+                    self.reservations.num_reservations += 1
+            seq.num_computed_tokens += num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def _reservation(self, seq: Sequence) -> int:
+        """Token capacity to reserve at admission, per the pre-allocation policy."""
+        policy = self.config.preallocation
+        if policy == "none":
+            return 0
+        max_output = seq.params.max_tokens
+        if policy == "predicted" and self.recent_output_lengths:
+            ordered = sorted(self.recent_output_lengths)
+            p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+            max_output = min(max_output, p90)
+        return min(seq.num_prompt_tokens + max_output, self.max_model_len)
+
+    def _lookahead(self, seq: Sequence, num_new: int) -> int:
+        if not seq.num_reserved_tokens:
+            return 0
+        needed = seq.num_computed_tokens + num_new
+        if needed > seq.num_reserved_tokens and not seq.is_reservation_exceeded:
+            seq.is_reservation_exceeded = True
+            self.reservations.num_too_small += 1
+        return max(0, seq.num_reserved_tokens - needed)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -95,10 +147,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def postprocess(self, batch: SchedulerOutput) -> None:
+        """Advance progress counters and publish newly completed blocks to the prefix cache."""
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+            self.kv_cache.cache_full_blocks(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks in this step."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.num_reserved_tokens and seq.block_ids:
+            unused = len(seq.block_ids) - self.kv_cache.num_blocks_for(seq.num_tokens)
+            if unused > 0:
+                self.reservations.num_too_large += 1
+                self.reservations.num_unused_blocks += unused
+        if seq.finish_reason != "abort":
+            self.recent_output_lengths.append(seq.num_output_tokens)
         self.kv_cache.free(seq)

@@ -11,6 +11,30 @@ import torch
 from fivefold.sampling_params import SamplingParams
 
 
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic) of a request's life; durations derive from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_time is None or self.finished_time is None:
+            return None
+        return self.finished_time - self.first_token_time
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,7 +53,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -37,6 +60,11 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    num_published_blocks: int = 0  # full blocks already inserted into the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_reserved_tokens: int = 0  # capacity reserved up front by the pre-allocation policy
+    is_reservation_exceeded: bool = False
+    metrics: "RequestMetrics" = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     generator: torch.Generator | None = None
     logprobs: list[dict] = field(default_factory=list)
 
