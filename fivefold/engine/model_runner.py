@@ -24,6 +24,7 @@ def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
+        model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
         self.block_size = config.block_size
         c = model.config
         bytes_per_block = kv_bytes_per_token(model) * config.block_size
@@ -34,7 +35,7 @@ class ModelRunner:
             )
         # Zero-filled once: padded decode reads hit finite values only (see attention.py).
         self.kv_caches = [
-            torch.zeros(2, self.num_blocks, config.block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+            torch.zeros(2, self.num_blocks, c.num_kv_heads, config.block_size, c.head_dim, dtype=model.dtype)
             for _ in range(c.num_layers)
         ]
 

@@ -6,6 +6,10 @@ has ``seq_lens[i]`` tokens of context; its keys and values live in the cache blo
 listed in ``block_tables[i]``. New keys/values are written at ``slot_mapping``
 (``block_id * block_size + offset``) before attention reads them back, so a chunk
 of a prompt attends to the chunks computed in earlier steps.
+
+A layer's cache is ``[2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]``:
+head-major inside a block, so one head's rows of a block are contiguous (what the
+decode kernel streams) and a gathered context is already in SDPA's [KVH, L, D].
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# enable_gqa arrived in torch 2.5; before it, repeat the KV heads.
-_HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+from fivefold.kernels import paged_attention_ops
+
 
 
 @dataclass
@@ -29,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
     block_size: int
     _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
+    _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -36,6 +41,12 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def slot_blocks_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in block) of every new token, computed once per step."""
+        if self._slot_parts is None:
+            self._slot_parts = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
+        return self._slot_parts
 
     def decode_plan(self) -> "_DecodePlan | None":
         """Index tensors for the batched decode path, built once per step, shared by all layers."""
@@ -46,7 +57,7 @@ class AttentionMetadata:
             seq_lens = [self.seq_lens[i] for i in rows]
             max_len = max(seq_lens)
             num_blocks = -(-max_len // self.block_size)
-            lens = torch.tensor(seq_lens)
+            lens = torch.tensor(seq_lens, dtype=torch.long)
             # Unequal lengths need a padding mask; equal ones (e.g. a single stream) do not.
             mask = None
             if min(seq_lens) != max_len:
@@ -57,6 +68,7 @@ class AttentionMetadata:
                 tables=self.block_tables[rows, :num_blocks],
                 max_len=max_len,
                 mask=mask,
+                seq_lens=lens,
             )
         return self._decode_plan
 
@@ -68,36 +80,42 @@ class _DecodePlan:
     tables: torch.Tensor  # [B, n] block tables cut to the longest context
     max_len: int
     mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is real, None if no padding
+    seq_lens: torch.Tensor  # [B] int64
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, is_causal: bool, scale: float):
-    # q: [..., H, Lq, D], k/v: [..., KVH, Lk, D]
-    if _HAS_ENABLE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              scale=scale, enable_gqa=True)
-    group = q.shape[-3] // k.shape[-3]
-    k = k.repeat_interleave(group, dim=-3)
-    v = v.repeat_interleave(group, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    """q: [H, Lq, D], k/v: [KVH, Lk, D] -> [H, Lq, D].
+
+    KV heads are repeated to the query heads and a batch dim is added: on CPU that
+    selects the flash kernel (enable_gqa, or 3-d inputs, fall back to the math path,
+    3.3x slower for a 512-token causal prefill here).
+    """
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                         is_causal=is_causal, scale=scale)
+    return out.squeeze(0)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values. kv_cache: [2, num_blocks, block_size, KVH, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata") -> None:
+    """Store this step's keys and values ([T, KVH, D]) at their slots."""
+    blocks, offsets = meta.slot_blocks_and_offsets()
+    kv_cache[0, blocks, :, offsets] = k
+    kv_cache[1, blocks, :, offsets] = v
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, H, D]
     k: torch.Tensor,  # [num_tokens, KVH, D]
     v: torch.Tensor,  # [num_tokens, KVH, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, KVH, block_size, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's whole context."""
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta)
     out = torch.empty_like(q)
     plan = meta.decode_plan()
     for i in range(meta.num_seqs):
@@ -107,14 +125,14 @@ def paged_attention(
         query_len, seq_len = end - start, meta.seq_lens[i]
         if query_len == seq_len:
             # A whole prompt in one step: its keys are the ones just computed.
-            ki, vi = k[start:end], v[start:end]
+            ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [KVH, L, D]
             mask, is_causal = None, query_len > 1
         else:
-            ki, vi = _gather_context(kv_cache, meta.block_tables[i], seq_len)
+            ki, vi = _gather_context(kv_cache, meta.block_tables[i], seq_len)  # [KVH, L, D]
             # Query j sits at position seq_len - query_len + j and sees keys up to it.
             q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
             mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
-        o = _sdpa(q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), mask, is_causal, scale)
+        o = _sdpa(q[start:end].transpose(0, 1), ki, vi, mask, is_causal, scale)
         out[start:end] = o.transpose(0, 1)
     if plan is not None:
         _batched_decode(q, kv_cache, plan, scale, out)
@@ -122,20 +140,31 @@ def paged_attention(
 
 
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    num_blocks = -(-seq_len // kv_cache.shape[2])
-    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, KVH, D]
-    blocks = blocks.flatten(1, 2)[:, :seq_len]
+    """A sequence's keys and values, [KVH, L, D] each."""
+    num_blocks = -(-seq_len // kv_cache.shape[3])
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, KVH, block_size, D]
+    blocks = blocks.transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # [2, KVH, L, D]
     return blocks[0], blocks[1]
 
 
 def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out) -> None:
-    """One SDPA call for every single-token query, context padded to the longest.
+    """Attention of every single-token query over its paged context.
+
+    With the compiled kernel (fivefold/kernels), keys and values are read in place
+    from their blocks: 3-5x faster than gather + SDPA at batch 64 (see the kernel's
+    header). Without it: one SDPA call, the context gathered and padded to the longest.
 
     Padded key slots read whatever block the padding points at (the cache is
     zero-initialised, so the values are finite) and are masked out.
     """
-    kv = kv_cache[:, plan.tables].flatten(2, 3)[:, :, : plan.max_len]  # [2, B, L, KVH, D]
-    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, KVH, L, D]
+    ops = paged_attention_ops() if kv_cache.device.type == "cpu" else None
+    if ops is not None:
+        out[plan.token_rows] = ops.paged_decode_attention(q[plan.token_rows], kv_cache, plan.tables, plan.seq_lens, scale)
+        return
+    kv = kv_cache[:, plan.tables].transpose(2, 3).flatten(3, 4)[..., : plan.max_len, :]  # [2, B, KVH, L, D]
+    group = q.shape[1] // kv.shape[2]
+    keys = kv[0].repeat_interleave(group, dim=1)  # [B, H, L, D]
+    values = kv[1].repeat_interleave(group, dim=1)
     queries = q[plan.token_rows].unsqueeze(2)  # [B, H, 1, D]
-    o = _sdpa(queries, keys, values, plan.mask, False, scale)  # [B, H, 1, D]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)  # [B, H, 1, D]
     out[plan.token_rows] = o.squeeze(2)

@@ -22,7 +22,7 @@ from torch import nn
 from fivefold.errors import ModelLoadError
 from fivefold.models.attention import AttentionMetadata, paged_attention
 from fivefold.models.config import ModelConfig
-from fivefold.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from fivefold.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaAttention(nn.Module):
@@ -102,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64, new tokens of every sequence, concatenated
         positions: torch.Tensor,  # [T] int64, absolute position of each token
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KVH, D]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, KVH, block_size, D]
     ) -> torch.Tensor:
         """Final-norm hidden states, [T, hidden]."""
         hidden, residual = self.embed_tokens(input_ids), None
@@ -155,19 +155,16 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
         if self.config.is_tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.use_column_major_weights()
 
-    def use_column_major_weights(self) -> None:
-        """Store every projection weight (and the LM head) column-major: the [out, in]
-        parameter becomes a transposed view of an [in, out] buffer.
+    def pack_for_serving(self) -> None:
+        """Swap every projection (and the LM head) for a :class:`PackedLinear`.
 
-        On this CPU, F.linear with a single row (decode) streams a column-major weight
-        about 1.9x faster (lm_head: 6.1 ms vs 11.6 ms; benchmarks/decode.py shows the
-        end-to-end effect); from 8 rows on, it is up to 10% slower. Decode is the
-        memory-bound phase, so it decides. Values, shapes and names are unchanged.
+        The embedding keeps its dense weight for row lookups; a tied LM head gets its
+        own packed copy (+vocab x hidden floats), which halves its time at batch 64.
         """
+        if not PackedLinear.is_available():
+            return
         for module in [*self.modules()]:
-            if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
-        if self.config.is_tied_embeddings:
-            self.embed_tokens.weight = self.lm_head.weight
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
