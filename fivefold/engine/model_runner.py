@@ -44,32 +44,34 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Flat inputs of one step: token ids, positions and attention metadata.
+
+        Python loops run over sequences only; per-token work (positions, slots) is
+        done with tensor ops.
+        """
+        num_new = torch.tensor([n for _, n in scheduled], dtype=torch.long)
+        starts = torch.tensor([seq.num_computed_tokens for seq, _ in scheduled], dtype=torch.long)
+        query_start = torch.zeros(len(scheduled) + 1, dtype=torch.long)
+        torch.cumsum(num_new, 0, out=query_start[1:])
+        num_tokens = int(query_start[-1])
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        bs = self.block_size
-        for seq, num_new in scheduled:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
+        for seq, n in scheduled:
+            input_ids += seq.token_ids[seq.num_computed_tokens: seq.num_computed_tokens + n]
+        row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), num_new)  # [T]
+        positions = torch.arange(num_tokens) - query_start[:-1][row_of_token] + starts[row_of_token]
         max_blocks = max(len(seq.block_ids) for seq, _ in scheduled)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
-        for row, (seq, _) in enumerate(scheduled):
-            tables[row, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        tables = torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq, _ in scheduled],
+                              dtype=torch.long)
+        bs = self.block_size
+        slots = tables[row_of_token, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_start_loc=query_start.tolist(),
+            seq_lens=(starts + num_new).tolist(),
+            slot_mapping=slots,
             block_tables=tables,
             block_size=bs,
         )
-        return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+        return torch.tensor(input_ids, dtype=torch.long), positions, meta
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:

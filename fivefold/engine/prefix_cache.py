@@ -27,6 +27,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 
+def prefix_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """One hash per full block, each covering the whole prefix up to that block's end."""
+    hashes, h = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash((h, tuple(tokens[start:start + block_size])))
+        hashes.append(h)
+    return hashes
+
+
 @dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...]  # the block's token ids (empty for the root)

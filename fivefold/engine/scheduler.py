@@ -93,17 +93,21 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: nothing after it is running
         # Admit waiting sequences, oldest first, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        in_flight = self._in_flight_prefix_blocks()
+        for seq in list(self.waiting):
+            if budget <= 0 or out.preempted or len(self.running) >= self.config.max_num_seqs:
+                break
             if seq.num_reserved_tokens == 0 or seq.num_preemptions:
                 seq.num_reserved_tokens = self._reservation(seq)
             computed = self.kv_cache.get_computed_blocks(seq)
+            if self._is_prefix_in_flight(seq, len(computed), in_flight):
+                continue  # its next block is being computed by another prompt: reuse it next step
             num_hit_tokens = len(computed) * self.kv_cache.block_size
             num_new = min(seq.num_uncomputed_tokens - num_hit_tokens, budget)
             lookahead = max(0, seq.num_reserved_tokens - (seq.num_computed_tokens + num_hit_tokens + num_new))
             if not self.kv_cache.allocate_slots(seq, num_new, computed, lookahead):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if seq.num_preemptions == 0:
                 self.kv_cache.record_prefix_query(seq.num_tokens, num_hit_tokens)
                 seq.num_cached_tokens = num_hit_tokens
@@ -115,7 +119,34 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            if self.kv_cache.prefix_cache is not None:
+                in_flight.update(self._uncomputed_prompt_blocks(seq))
         return out
+
+    # In-batch prefix sharing (as SGLang does): a prompt whose next uncached block is
+    # being computed right now by another prompt waits a step and then reuses it,
+    # instead of computing the same keys and values twice.
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[int]:
+        hashes = seq.prompt_block_hashes(self.kv_cache.block_size)
+        return hashes[seq.num_computed_tokens // self.kv_cache.block_size:]
+
+    def _in_flight_prefix_blocks(self) -> set[int]:
+        if self.kv_cache.prefix_cache is None:
+            return set()
+        blocks: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                blocks.update(self._uncomputed_prompt_blocks(seq))
+        return blocks
+
+    def _is_prefix_in_flight(self, seq: Sequence, num_hit_blocks: int, in_flight: set[int]) -> bool:
+        if not in_flight or seq.num_preemptions:
+            return False
+        hashes = seq.prompt_block_hashes(self.kv_cache.block_size)
+        # The last prompt token is always computed, so a block ending there is never shared.
+        if num_hit_blocks >= len(hashes) or (num_hit_blocks + 1) * self.kv_cache.block_size >= seq.num_prompt_tokens:
+            return False
+        return hashes[num_hit_blocks] in in_flight
 
     def _reservation(self, seq: Sequence) -> int:
         """Token capacity to reserve at admission, per the pre-allocation policy."""

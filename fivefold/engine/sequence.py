@@ -65,6 +65,7 @@ class Sequence:
     num_reserved_tokens: int = 0  # capacity reserved up front by the pre-allocation policy
     is_reservation_exceeded: bool = False
     metrics: "RequestMetrics" = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    _prompt_block_hashes: list[int] | None = field(default=None, repr=False)
     generator: torch.Generator | None = None
     logprobs: list[dict] = field(default_factory=list)
 
@@ -72,6 +73,14 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def prompt_block_hashes(self, block_size: int) -> list[int]:
+        """Prefix hashes of the prompt's full blocks (computed once)."""
+        if self._prompt_block_hashes is None:
+            from fivefold.engine.prefix_cache import prefix_block_hashes
+
+            self._prompt_block_hashes = prefix_block_hashes(self.prompt_token_ids, block_size)
+        return self._prompt_block_hashes
 
     @property
     def num_prompt_tokens(self) -> int:

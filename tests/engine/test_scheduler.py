@@ -171,3 +171,26 @@ def test_preallocation_full_and_predicted_count_bad_guesses():
     seq.finish("stop")
     early.sched.finish(seq)  # stopped after 1 of 12 tokens: 2 of its 4 reserved blocks never written
     assert early.sched.reservations.num_too_large == 1 and early.sched.reservations.num_unused_blocks == 2
+
+
+def test_shared_prefix_arriving_together_is_computed_once():
+    eng = FakeEngine(num_blocks=32, max_num_batched_tokens=64)
+    system = list(range(300, 312))  # 3 full blocks
+    eng.add("a", system + [1, 2], max_tokens=2)
+    eng.add("b", system + [3, 4, 5], max_tokens=2)
+    eng.add("c", [7, 8, 9], max_tokens=2)  # unrelated: not held back
+    # b's next block is being computed by a: b waits a step instead of computing it twice.
+    assert eng.step() == [("a", 14), ("c", 3)]
+    assert [s.request_id for s in eng.sched.waiting] == ["b"]
+    assert eng.step() == [("a", 1), ("c", 1), ("b", 3)]
+    assert eng.done["a"].num_output_tokens == 2
+    # a held blocks 0-3 and c block 4; b reuses a's three published prefix blocks.
+    assert eng.live["b"].num_cached_tokens == 12 and eng.live["b"].block_ids[:3] == [0, 1, 2]
+
+
+def test_without_prefix_cache_nothing_is_held_back():
+    eng = FakeEngine(num_blocks=32, prefix=False, max_num_batched_tokens=64)
+    system = list(range(300, 312))
+    eng.add("a", system + [1, 2], max_tokens=2)
+    eng.add("b", system + [3, 4, 5], max_tokens=2)
+    assert eng.step() == [("a", 14), ("b", 15)]
