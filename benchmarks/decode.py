@@ -33,13 +33,10 @@ from fivefold.sampling_params import SamplingParams  # noqa: E402
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+def weight_bytes(loaded) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied embedding
+    and LM head once: the step reads one embedding row and the whole head)."""
+    return loaded.config.num_parameters() * loaded.model.dtype.itemsize
 
 
 def ours_decode_tok_s(llm: LLM, prompt_ids: list[int], num_tokens: int) -> float:
@@ -100,7 +97,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so both see the same machine state
             ours.append(ours_decode_tok_s(llm, prompt_ids, args.tokens))
             theirs.append(hf_decode_tok_s(hf, prompt_ids, args.tokens))
-        nbytes = weight_bytes(llm.loaded.model)
+        nbytes = weight_bytes(llm.loaded)
         o, t = statistics.median(ours), statistics.median(theirs)
         rows.append({
             "dtype": dtype, "prompt_tokens": len(prompt_ids), "new_tokens": args.tokens,
