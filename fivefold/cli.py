@@ -19,6 +19,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-memory", type=float, default=1 << 30,
                    help="KV cache pool: bytes if > 1, else a fraction of available RAM (default 1 GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--preallocation", default="none", choices=["none", "full", "predicted"])
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -61,7 +66,9 @@ def _sampling(args):
 def _llm(args):
     from fivefold.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=not args.no_prefix_caching, preallocation=args.preallocation)
 
 
 def cmd_models(args) -> int:

@@ -1,0 +1,99 @@
+"""The offline API on the built-in model: stop conditions, seeds, logprobs and metrics
+through the whole engine (tokenizer, detokenizer, scheduler, sampler)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fivefold.errors import InvalidRequestError
+from fivefold.llm import LLM
+from fivefold.sampling_params import SamplingParams
+
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, kv_cache_memory=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+
+
+def test_outputs_carry_text_ids_reason_and_metrics(llm, greedy):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == greedy.token_ids and len(greedy.token_ids) == 24
+    assert out.outputs[0].text == llm.tokenizer.decode(greedy.token_ids)
+    assert out.outputs[0].finish_reason == "length"
+    m = out.metrics
+    assert 0 <= m.queue_time <= m.ttft and m.decode_time > 0
+
+
+def test_stop_string_truncates_text(llm, greedy):
+    text = greedy.text
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    assert stop.strip(), text
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True,
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_id(llm, greedy):
+    stop_id = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_id)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=42, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True) for n in (5, 20, 9)]
+    batch = llm.generate(["Hello", PROMPT, "Once upon a time", "def f(x):"], [others[0], seeded, others[1], others[2]])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=43,
+                                                     ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_logprobs(llm, greedy):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for entry, token in zip(out.logprobs, greedy.token_ids):
+        assert entry["token_id"] == token
+        top_ids = [t for t, _ in entry["top"]]
+        assert top_ids[0] == token and len(top_ids) == 3  # greedy: the sampled token is the most likely
+        assert math.isclose(entry["logprob"], entry["top"][0][1], rel_tol=1e-6) and entry["logprob"] <= 0
+
+
+def test_penalties_change_greedy_output(llm, greedy):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                              frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0]
+    assert out.token_ids != greedy.token_ids
+
+
+def test_eos_stops_unless_ignored(llm):
+    chat = llm.chat_prompt([{"role": "user", "content": "Say hi."}])
+    out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    ignored = llm.generate([chat], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3,
+                                                  ignore_eos=True))[0].outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(out.token_ids) + 3
+
+
+def test_requests_that_can_never_fit_are_refused(llm):
+    with pytest.raises(InvalidRequestError, match="exceeds the maximum context length 8192"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=9000))
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        llm.generate([[]], SamplingParams())
+    small = LLM(llm.loaded, kv_cache_memory=4 * 16 * 46080)  # 4 blocks = 64 tokens
+    with pytest.raises(InvalidRequestError, match=r"can never fit the KV cache \(64 tokens\)"):
+        small.generate(PROMPT, SamplingParams(max_tokens=100))
