@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
     _add_sampling_args(gen, max_tokens=128)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
     chat.add_argument("--system", default=None)
@@ -151,7 +159,25 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat}
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from fivefold.serve.app import build_app
+    from fivefold.serve.async_engine import AsyncEngine
+
+    llm = _llm(args)
+    engine = AsyncEngine(llm.engine)
+    app = build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes)
+    print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

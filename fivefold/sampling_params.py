@@ -38,6 +38,8 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))

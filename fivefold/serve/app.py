@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP front (FastAPI): /v1/models, /v1/completions,
+/v1/chat/completions (JSON or SSE streaming), /health.
+
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
+400 for values out of range (the message names the limit), malformed JSON, an empty
+prompt or unknown model; 401 without the right API key; 413 for a body over the
+size limit; 422 for fields of the wrong type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fivefold.errors import FivefoldError
+from fivefold.sampling_params import SamplingParams
+from fivefold.serve.async_engine import AsyncEngine
+from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   error_type: str = "invalid_request_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code or status}}
+    return JSONResponse(body, status_code=status)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="Fivefold", version="0.1.0")
+    tokenizer = engine.tokenizer
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return error_response(413, f"request body is {length} bytes; the limit is {max_body_bytes} bytes")
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                      error_type="authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'parse error')}")
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(422, f"{loc or 'body'}: {first.get('msg', 'invalid')}", param=loc or None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(FivefoldError)
+    async def on_fivefold_error(_, exc: FivefoldError):
+        return error_response(400, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "fivefold"}]}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(400, f"model '{name}' is not served here; available: {model_name}", "model", "model_not_found")
+
+    def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop or (), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, n=req.n,
+        )
+
+    def per_choice(params: SamplingParams, index: int) -> SamplingParams:
+        from dataclasses import replace
+
+        seed = None if params.seed is None else params.seed + index
+        return replace(params, n=1, seed=seed)
+
+    async def run_choices(request: Request, prompt_ids: list[int], params: SamplingParams, base_id: str):
+        """Run the n choices to completion; abort them all if the client disconnects."""
+        async def one(i: int):
+            last = None
+            async for out in engine.add_request(f"{base_id}-{i}", prompt_ids, per_choice(params, i)):
+                last = out
+            return last
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(params.n)]
+        done = asyncio.gather(*tasks)
+        while not done.done():
+            await asyncio.wait([done], timeout=0.5)
+            if not done.done() and await request.is_disconnected():
+                for t in tasks:
+                    t.cancel()  # the streams' finally blocks abort the engine requests
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise asyncio.CancelledError
+        return done.result()
+
+    def usage(prompt_ids: list[int], outs, cached: int) -> dict:
+        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(prompt_ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def completion_logprobs(entries):
+        if entries is None:
+            return None
+        tokens = [tokenizer.decode([e["token_id"]], skip_special_tokens=False) for e in entries]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in e["top"]}
+                             for e in entries],
+            "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+        }
+
+    def chat_logprobs(entries):
+        if entries is None:
+            return None
+        def tok(t):
+            text = tokenizer.decode([t], skip_special_tokens=False)
+            return text, list(text.encode())
+        content = []
+        for e in entries:
+            text, raw = tok(e["token_id"])
+            top = [{"token": tok(t)[0], "logprob": lp, "bytes": tok(t)[1]} for t, lp in e["top"]]
+            content.append({"token": text, "logprob": e["logprob"], "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+
+    async def stream_choices(prompt_ids, params, base_id, chunk, include_usage: bool, first_chunks=()) -> AsyncIterator[str]:
+        """SSE: one event per new piece of text of any choice, then usage (if asked) and [DONE]."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int):
+            try:
+                async for out in engine.add_request(f"{base_id}-{i}", prompt_ids, per_choice(params, i)):
+                    await merged.put((i, out))
+            except Exception as exc:  # surface engine-side refusals in the stream
+                await merged.put((i, exc))
+            await merged.put((i, None))
+
+        for i in range(params.n):
+            for event in first_chunks:
+                yield f"data: {json.dumps(event(i))}\n\n"
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(params.n)]
+        finals, remaining = {}, params.n
+        try:
+            while remaining:
+                i, out = await merged.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                if isinstance(out, Exception):
+                    yield f"data: {json.dumps({'error': {'message': str(out), 'type': 'invalid_request_error'}})}\n\n"
+                    continue
+                if out.finished:
+                    finals[i] = out
+                yield f"data: {json.dumps(chunk(i, out))}\n\n"
+            if include_usage:
+                outs = [finals[i] for i in sorted(finals)]
+                cached = outs[0].num_cached_tokens if outs else 0
+                yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': usage(prompt_ids, outs, cached)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()  # a client that went away: the streams' finally blocks abort the requests
+
+    def prepare(prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty; at least one token is required", "prompt")
+        engine.validate(prompt_ids, params)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        if isinstance(req.prompt, str):
+            prompt_ids = tokenizer.encode(req.prompt) if req.prompt else []
+        else:
+            prompt_ids = list(req.prompt)
+            if any(t < 0 or t >= engine.engine.loaded.config.vocab_size for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must be in [0, {engine.engine.loaded.config.vocab_size})", "prompt")
+        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        prepare(prompt_ids, params)
+        base_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+
+        def chunk(i, out):
+            body = {"id": base_id, "object": "text_completion", "created": created, "model": name}
+            if out is None:
+                return body
+            c = out.outputs[0]
+            lp = completion_logprobs(c.logprobs[-len(out.delta_token_ids):] if c.logprobs is not None else None)
+            return body | {"choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
+                                        "finish_reason": c.finish_reason}]}
+
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream_choices(prompt_ids, params, base_id, chunk, include),
+                                     media_type="text/event-stream")
+        outs = await run_choices(request, prompt_ids, params, base_id)
+        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": completion_logprobs(o.outputs[0].logprobs),
+                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+        return {"id": base_id, "object": "text_completion", "created": created, "model": name, "choices": choices,
+                "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages is empty; at least one message is required", "messages")
+        prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True)
+        limit = engine.engine.max_model_len
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # as vLLM: the rest of the context
+            max_tokens = max(1, limit - len(prompt_ids))
+        top = req.top_logprobs if req.top_logprobs is not None else 0
+        params = sampling(req, max_tokens, top if req.logprobs else None)
+        prepare(prompt_ids, params)
+        base_id, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+
+        def chunk(i, out):
+            body = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name}
+            if out is None:
+                return body
+            c = out.outputs[0]
+            lp = chat_logprobs(c.logprobs[-len(out.delta_token_ids):] if c.logprobs is not None else None)
+            return body | {"choices": [{"index": i, "delta": {"content": out.delta_text}, "logprobs": lp,
+                                        "finish_reason": c.finish_reason}]}
+
+        def role_chunk(i):
+            return {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]}
+
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream_choices(prompt_ids, params, base_id, chunk, include, (role_chunk,)),
+                                     media_type="text/event-stream")
+        outs = await run_choices(request, prompt_ids, params, base_id)
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
+                    "logprobs": chat_logprobs(o.outputs[0].logprobs), "finish_reason": o.outputs[0].finish_reason}
+                   for i, o in enumerate(outs)]
+        return {"id": base_id, "object": "chat.completion", "created": created, "model": name, "choices": choices,
+                "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+
+    return app

@@ -1,0 +1,107 @@
+"""The async front of the engine: one thread owns the engine and runs its step loop;
+coroutines submit requests and read their outputs from asyncio queues.
+
+Only the engine thread touches the LLMEngine (one owner per resource). Requests and
+aborts reach it through a thread-safe inbox; outputs go back to each request's event
+loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.engine.outputs import RequestOutput
+from fivefold.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fivefold-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError now if the request can never run (reads only fixed limits)."""
+        self.engine.validate_lengths(len(prompt_token_ids), params.max_tokens)
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that adds a token. Leaving the
+        iteration early (a client that disconnected) aborts the request."""
+        out_queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
+        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, out_queue = target
+            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, request_id, *rest = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self.engine.abort(request_id)
+                continue
+            prompt_token_ids, params = rest
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+            except Exception as exc:  # invalid after all: tell the waiting coroutine
+                self._deliver(request_id, exc)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug: fail every request in flight rather than hang them
+                for request_id in list(self.engine.requests):
+                    self._deliver(request_id, exc)
+                    self.engine.abort(request_id)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -1,0 +1,139 @@
+"""A real server on 127.0.0.1 (uvicorn in a thread) driven by the official openai client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from fivefold.engine.config import EngineConfig
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.serve.app import build_app
+from fivefold.serve.async_engine import AsyncEngine
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    import uvicorn
+
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=256 << 20)))
+    app = build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=64 << 10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       temperature=0, max_tokens=24)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", temperature=0, max_tokens=16)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and full.choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 16 == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], temperature=0, max_tokens=12)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    stream = list(client.chat.completions.create(stream=True, **kw))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == full
+
+
+def test_n_stop_seed_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=12)
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=12)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in r.choices) == [0, 1, 2] and len({c.text for c in r.choices}) > 1
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16).choices[0].text
+    stop = greedy.split()[2]
+    s = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16, stop=[stop])
+    assert s.choices[0].text == greedy[: greedy.index(stop)] and s.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=3, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 3 and all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          max_tokens=3, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": MODEL, "prompt": "hi", "temperature": 3}, 400, "temperature must be in [0, 2], got 3.0"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "exceeds the maximum context length 8192"),
+    ({"model": MODEL, "prompt": "hi " * 9000}, 400, "the maximum context length is 8192"),
+    ({"model": "gpt-4", "prompt": "hi"}, 400, "model 'gpt-4' is not served here"),
+    ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
+    ({"model": MODEL, "prompt": [70000]}, 400, "prompt token ids must be in [0, 49152)"),
+])
+def test_bad_completion_requests(server, body, status, message):
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_empty_messages_malformed_json_big_body_and_api_key(server):
+    url, auth = server[0], {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=auth)
+    assert r.status_code == 400 and "messages is empty" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": ', headers=auth | {"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 70000}, headers=auth)
+    assert r.status_code == 413 and "the limit is 65536 bytes" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_disconnected_streams_are_aborted_and_blocks_freed(server, client):
+    engine = server[1].engine
+    for _ in range(4):
+        stream = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0, max_tokens=400,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+    deadline = time.time() + 10
+    while engine.has_unfinished and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert not engine.has_unfinished
+    assert engine.kv_cache.num_used_blocks == 0
+    engine.kv_cache.check_integrity([])
