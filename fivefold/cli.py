@@ -166,8 +166,11 @@ def cmd_serve(args) -> int:
     from fivefold.serve.async_engine import AsyncEngine
 
     llm = _llm(args)
-    engine = AsyncEngine(llm.engine)
-    app = build_app(engine, args.served_model_name or args.model, api_key=args.api_key,
+    from fivefold.serve.metrics import ServerMetrics
+
+    name = args.served_model_name or args.model
+    engine = AsyncEngine(llm.engine, ServerMetrics(name))
+    app = build_app(engine, name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:

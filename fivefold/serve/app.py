@@ -75,6 +75,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics():
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if engine.metrics is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "fivefold"}]}

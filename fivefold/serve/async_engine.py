@@ -16,11 +16,13 @@ from typing import AsyncIterator
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.outputs import RequestOutput
 from fivefold.sampling_params import SamplingParams
+from fivefold.serve.metrics import ServerMetrics
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -81,7 +83,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "abort":
-                self.engine.abort(request_id)
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                    if self.metrics is not None:
+                        self.metrics.request_aborted(request_id)
                 continue
             prompt_token_ids, params = rest
             try:
@@ -103,5 +108,7 @@ class AsyncEngine:
                     self._deliver(request_id, exc)
                     self.engine.abort(request_id)
                 continue
+            if self.metrics is not None:
+                self.metrics.observe_step(self.engine, outputs)
             for out in outputs:
                 self._deliver(out.request_id, out)

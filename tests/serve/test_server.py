@@ -14,6 +14,7 @@ from fivefold.engine.config import EngineConfig
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.serve.app import build_app
 from fivefold.serve.async_engine import AsyncEngine
+from fivefold.serve.metrics import ServerMetrics
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
@@ -23,7 +24,7 @@ API_KEY = "test-key"
 def server(smollm2):
     import uvicorn
 
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=256 << 20)))
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=256 << 20)), ServerMetrics(MODEL))
     app = build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=64 << 10)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,3 +138,32 @@ def test_disconnected_streams_are_aborted_and_blocks_freed(server, client):
     assert not engine.has_unfinished
     assert engine.kv_cache.num_used_blocks == 0
     engine.kv_cache.check_integrity([])
+
+
+def metric(text: str, name: str, **labels) -> float:
+    want = {"model_name": MODEL, **labels}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            label_part = line[len(name):].split(" ")[0]
+            parsed = dict(kv.split("=") for kv in label_part.strip("{}").split(",") if kv)
+            if {k: v.strip('"') for k, v in parsed.items()} == want:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_after_known_traffic(server, client):
+    url = server[0]
+    before = httpx.get(url + "/metrics").text
+    prompt = "Metrics test: the quick brown fox"
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    after = httpx.get(url + "/metrics").text
+    delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)
+    assert delta("fivefold:request_success_total", finished_reason="length") == 3
+    assert delta("fivefold:generation_tokens_total") == 15
+    num_prompt = len(server[1].tokenizer.encode(prompt))
+    assert delta("fivefold:prompt_tokens_total") == 3 * num_prompt
+    assert delta("fivefold:time_to_first_token_seconds_count") == 3
+    assert delta("fivefold:inter_token_latency_seconds_count") == 12
+    assert delta("fivefold:prefix_cache_queries_total") == 3 * num_prompt
+    assert metric(after, "fivefold:num_requests_running") == 0 and metric(after, "fivefold:kv_cache_usage_perc") == 0

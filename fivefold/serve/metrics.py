@@ -1,0 +1,87 @@
+"""Prometheus metrics of the server, named after vLLM's with a ``fivefold:`` prefix.
+
+Updated by the engine thread after every step (queue sizes, KV use, counters and
+latency histograms of finished requests), so scraping costs the engine nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"fivefold:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"fivefold:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name, doc):
+            return Histogram(f"fivefold:{name}", doc, list(labels), buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.result_cache_hits = counter("result_cache_hits", "Requests answered from the result cache.")
+        self.result_cache_misses = counter("result_cache_misses", "Cacheable requests not in the result cache.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
+        self._success = Counter("fivefold:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._labels = labels
+        self._last_token_time: dict[str, float] = {}
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(finished_reason=reason, **self._labels).inc()
+
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        sched, kv = engine.scheduler, engine.kv_cache
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(kv.num_used_blocks / kv.num_blocks)
+        queries, hits = kv.stats.num_queries, kv.stats.num_hits
+        self.prefix_queries.inc(queries - self._last_prefix[0])
+        self.prefix_hits.inc(hits - self._last_prefix[1])
+        self._last_prefix = (queries, hits)
+        self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
+        self._last_preemptions = sched.num_preemptions
+        for out in outputs:
+            self.generation_tokens.inc(len(out.delta_token_ids))
+            last = self._last_token_time.get(out.request_id)
+            if last is not None:
+                self.itl.observe(now - last)
+            self._last_token_time[out.request_id] = now
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                m = out.metrics
+                self.ttft.observe(m.ttft)
+                self.e2e.observe(m.finished_time - m.arrival_time)
+                self.queue_time.observe(m.queue_time)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.request_finished(out.outputs[0].finish_reason)
+
+    def request_aborted(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.request_finished("abort")
