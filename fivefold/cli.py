@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-queued-requests", type=int, default=None, help="beyond it: 429 with Retry-After")
+    serve.add_argument("--max-queued-tokens", type=int, default=None, help="queued prompt tokens; beyond: 429")
+    serve.add_argument("--queue-timeout", type=float, default=None, help="seconds in the queue before a 503")
 
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
@@ -169,7 +172,8 @@ def cmd_serve(args) -> int:
     from fivefold.serve.metrics import ServerMetrics
 
     name = args.served_model_name or args.model
-    engine = AsyncEngine(llm.engine, ServerMetrics(name))
+    engine = AsyncEngine(llm.engine, ServerMetrics(name), max_queued_requests=args.max_queued_requests,
+                         max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout)
     app = build_app(engine, name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -17,3 +17,11 @@ class ModelLoadError(FivefoldError):
 
 class InvalidRequestError(FivefoldError):
     """A request or a parameter is out of range."""
+
+
+class OverloadedError(FivefoldError):
+    """The server's queue is full (HTTP 429, with Retry-After)."""
+
+
+class QueueTimeoutError(FivefoldError):
+    """A request waited in the queue longer than allowed (HTTP 503)."""

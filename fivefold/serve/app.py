@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, OverloadedError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -69,6 +69,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(FivefoldError)
     async def on_fivefold_error(_, exc: FivefoldError):
+        if isinstance(exc, OverloadedError):
+            response = error_response(429, str(exc), code="overloaded")
+            response.headers["Retry-After"] = "1"
+            return response
+        if isinstance(exc, QueueTimeoutError):
+            return error_response(503, str(exc), code="queue_timeout", error_type="server_error")
         return error_response(400, str(exc))
 
     @app.get("/health")
@@ -155,35 +161,49 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             content.append({"token": text, "logprob": e["logprob"], "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    async def stream_choices(prompt_ids, params, base_id, chunk, include_usage: bool, first_chunks=()) -> AsyncIterator[str]:
-        """SSE: one event per new piece of text of any choice, then usage (if asked) and [DONE]."""
+    async def start_stream(prompt_ids, params, base_id):
+        """Start the n choices and wait for the first output, so that a refusal or a
+        queue timeout still gets its HTTP status instead of an error inside a 200 stream."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int):
             try:
                 async for out in engine.add_request(f"{base_id}-{i}", prompt_ids, per_choice(params, i)):
                     await merged.put((i, out))
-            except Exception as exc:  # surface engine-side refusals in the stream
+            except Exception as exc:
                 await merged.put((i, exc))
             await merged.put((i, None))
 
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(params.n)]
+        first = await merged.get()
+        if isinstance(first[1], Exception):
+            for t in tasks:
+                t.cancel()
+            raise first[1]
+        return first, merged, tasks
+
+    async def stream_choices(started, params, prompt_ids, chunk, include_usage: bool,
+                             first_chunks=()) -> AsyncIterator[str]:
+        """SSE: one event per new piece of text of any choice, then usage (if asked) and [DONE]."""
+        first, merged, tasks = started
         for i in range(params.n):
             for event in first_chunks:
                 yield f"data: {json.dumps(event(i))}\n\n"
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(params.n)]
-        finals, remaining = {}, params.n
+        finals, remaining, item = {}, params.n, first
         try:
-            while remaining:
-                i, out = await merged.get()
+            while True:
+                i, out = item
                 if out is None:
                     remaining -= 1
-                    continue
-                if isinstance(out, Exception):
-                    yield f"data: {json.dumps({'error': {'message': str(out), 'type': 'invalid_request_error'}})}\n\n"
-                    continue
-                if out.finished:
-                    finals[i] = out
-                yield f"data: {json.dumps(chunk(i, out))}\n\n"
+                elif isinstance(out, Exception):
+                    yield f"data: {json.dumps({'error': {'message': str(out), 'type': 'server_error'}})}\n\n"
+                else:
+                    if out.finished:
+                        finals[i] = out
+                    yield f"data: {json.dumps(chunk(i, out))}\n\n"
+                if not remaining:
+                    break
+                item = await merged.get()
             if include_usage:
                 outs = [finals[i] for i in sorted(finals)]
                 cached = outs[0].num_cached_tokens if outs else 0
@@ -193,10 +213,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             for t in tasks:
                 t.cancel()  # a client that went away: the streams' finally blocks abort the requests
 
-    def prepare(prompt_ids: list[int], params: SamplingParams) -> None:
+    def prepare(prompt_ids: list[int], params: SamplingParams, base_id: str) -> None:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty; at least one token is required", "prompt")
         engine.validate(prompt_ids, params)
+        engine.reserve_queue([f"{base_id}-{i}" for i in range(params.n)], len(prompt_ids))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -208,8 +229,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if any(t < 0 or t >= engine.engine.loaded.config.vocab_size for t in prompt_ids):
                 raise APIError(400, f"prompt token ids must be in [0, {engine.engine.loaded.config.vocab_size})", "prompt")
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        prepare(prompt_ids, params)
         base_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        prepare(prompt_ids, params, base_id)
 
         def chunk(i, out):
             body = {"id": base_id, "object": "text_completion", "created": created, "model": name}
@@ -222,7 +243,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_choices(prompt_ids, params, base_id, chunk, include),
+            started = await start_stream(prompt_ids, params, base_id)
+            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include),
                                      media_type="text/event-stream")
         outs = await run_choices(request, prompt_ids, params, base_id)
         choices = [{"index": i, "text": o.outputs[0].text, "logprobs": completion_logprobs(o.outputs[0].logprobs),
@@ -242,8 +264,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             max_tokens = max(1, limit - len(prompt_ids))
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = sampling(req, max_tokens, top if req.logprobs else None)
-        prepare(prompt_ids, params)
         base_id, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        prepare(prompt_ids, params, base_id)
 
         def chunk(i, out):
             body = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name}
@@ -261,7 +283,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_choices(prompt_ids, params, base_id, chunk, include, (role_chunk,)),
+            started = await start_stream(prompt_ids, params, base_id)
+            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, (role_chunk,)),
                                      media_type="text/event-stream")
         outs = await run_choices(request, prompt_ids, params, base_id)
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},

@@ -11,18 +11,28 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.outputs import RequestOutput
+from fivefold.errors import OverloadedError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.metrics import ServerMetrics
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
+                 queue_timeout: float | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self.queue_timeout = queue_timeout
+        # Requests accepted but not yet scheduled: id -> [prompt tokens, time accepted, is in the engine].
+        self._queued: dict[str, list] = {}
+        self._queue_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -37,6 +47,47 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError now if the request can never run (reads only fixed limits)."""
         self.engine.validate_lengths(len(prompt_token_ids), params.max_tokens)
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._queued)
+
+    def reserve_queue(self, request_ids: list[str], num_prompt_tokens: int) -> None:
+        """Take places in the queue for these requests, or raise OverloadedError naming the limit."""
+        with self._queue_lock:
+            num_requests = len(self._queued) + len(request_ids)
+            num_tokens = sum(entry[0] for entry in self._queued.values()) + num_prompt_tokens * len(request_ids)
+            if self.max_queued_requests is not None and num_requests > self.max_queued_requests:
+                raise OverloadedError(f"too many queued requests: the limit is {self.max_queued_requests}")
+            if self.max_queued_tokens is not None and num_tokens > self.max_queued_tokens:
+                raise OverloadedError(f"too many queued prompt tokens: the limit is {self.max_queued_tokens}")
+            now = time.monotonic()
+            for request_id in request_ids:
+                self._queued[request_id] = [num_prompt_tokens, now, False]
+
+    def release_queue(self, request_ids: list[str]) -> None:
+        with self._queue_lock:
+            for request_id in request_ids:
+                self._queued.pop(request_id, None)
+
+    def _update_queue(self) -> None:
+        """Drop scheduled or finished requests from the queue; time out the ones waiting too long."""
+        now = time.monotonic()
+        with self._queue_lock:
+            queued = list(self._queued.items())
+        for request_id, (_, accepted, is_in_engine) in queued:
+            if not is_in_engine:
+                continue  # still on its way through the inbox
+            state = self.engine.requests.get(request_id)
+            if state is not None and state.seq.metrics.first_scheduled_time is None:
+                if self.queue_timeout is None or now - accepted <= self.queue_timeout:
+                    continue
+                self.engine.abort(request_id)
+                self._deliver(request_id, QueueTimeoutError(
+                    f"request waited {now - accepted:.1f} s in the queue; the limit is {self.queue_timeout} s"))
+                if self.metrics is not None:
+                    self.metrics.request_aborted(request_id)
+            self.release_queue([request_id])
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -58,6 +109,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self.release_queue([request_id])
             if not finished:
                 self.abort(request_id)
 
@@ -93,10 +145,15 @@ class AsyncEngine:
                 self.engine.add_request(prompt_token_ids, params, request_id=request_id)
             except Exception as exc:  # invalid after all: tell the waiting coroutine
                 self._deliver(request_id, exc)
+            with self._queue_lock:
+                if request_id in self._queued:
+                    self._queued[request_id][2] = True
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._drain_inbox()
+            if self._queued:
+                self._update_queue()
             if not self.engine.has_unfinished:
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -1,0 +1,78 @@
+"""Overload protection: 429 with Retry-After past the queue limits, 503 after the queue timeout."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from fivefold.engine.config import EngineConfig
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.serve.app import build_app
+from fivefold.serve.async_engine import AsyncEngine
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    import uvicorn
+
+    # One sequence at a time, so a second request has to queue.
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=1)),
+                         max_queued_requests=2, max_queued_tokens=1000, queue_timeout=0.5)
+    app = build_app(engine, MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def test_queue_limits_give_429_with_retry_after(server):
+    url, engine = server
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
+    engine.reserve_queue(["fake-1", "fake-2"], 1)  # the queue is full
+    try:
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["message"] == "too many queued requests: the limit is 2"
+    finally:
+        engine.release_queue(["fake-1", "fake-2"])
+    engine.reserve_queue(["fake-3"], 999)  # one place left, but only 1 token
+    try:
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["message"] == "too many queued prompt tokens: the limit is 1000"
+    finally:
+        engine.release_queue(["fake-3"])
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+
+
+def test_queue_timeout_gives_503_and_leaves_the_queue(server):
+    url, engine = server
+    long_body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long_body) as long:
+        lines = long.iter_lines()
+        next(lines)  # the long request is running and holds the only sequence slot
+        for body in ({"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                     {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}):
+            start = time.monotonic()
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503, r.text
+            assert "the limit is 0.5 s" in r.json()["error"]["message"]
+            assert 0.5 <= time.monotonic() - start < 5
+        assert engine.num_queued_requests == 0
+    deadline = time.time() + 10  # closing the long stream aborted it
+    while engine.engine.has_unfinished and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.engine.has_unfinished and engine.engine.kv_cache.num_used_blocks == 0
