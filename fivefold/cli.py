@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=None, help="beyond it: 429 with Retry-After")
     serve.add_argument("--max-queued-tokens", type=int, default=None, help="queued prompt tokens; beyond: 429")
     serve.add_argument("--queue-timeout", type=float, default=None, help="seconds in the queue before a 503")
+    serve.add_argument("--result-cache-entries", type=int, default=1024, help="0 disables the result cache")
+    serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
+    serve.add_argument("--prompt-version", default="v1", help="result-cache version (X-Prompt-Version overrides)")
 
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
@@ -174,8 +177,12 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     engine = AsyncEngine(llm.engine, ServerMetrics(name), max_queued_requests=args.max_queued_requests,
                          max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout)
-    app = build_app(engine, name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes)
+    from fivefold.cache.result_cache import ResultCache
+
+    cache = (ResultCache(args.result_cache_entries, args.result_cache_bytes, args.prompt_version)
+             if args.result_cache_entries > 0 else None)
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                    result_cache=cache, prompt_version=args.prompt_version)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from fivefold.cache.result_cache import ResultCache, is_cacheable
 from fivefold.errors import FivefoldError, OverloadedError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.async_engine import AsyncEngine
@@ -39,10 +40,22 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def model_fingerprint(engine: AsyncEngine) -> str:
+    loaded = engine.engine.loaded
+    stat = loaded.path.stat()
+    return f"{loaded.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{loaded.model.dtype}"
+
+
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, result_cache: ResultCache | None = None,
+              prompt_version: str = "v1") -> FastAPI:
+    """The FastAPI app. With ``result_cache``, deterministic requests (temperature 0 or a
+    seed) are answered from it when the same request was answered before under the same
+    prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
+    bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
     app = FastAPI(title="Fivefold", version="0.1.0")
     tokenizer = engine.tokenizer
+    fingerprint = model_fingerprint(engine)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -183,7 +196,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return first, merged, tasks
 
     async def stream_choices(started, params, prompt_ids, chunk, include_usage: bool,
-                             first_chunks=()) -> AsyncIterator[str]:
+                             first_chunks=(), on_complete=None) -> AsyncIterator[str]:
         """SSE: one event per new piece of text of any choice, then usage (if asked) and [DONE]."""
         first, merged, tasks = started
         for i in range(params.n):
@@ -204,14 +217,49 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if not remaining:
                     break
                 item = await merged.get()
+            outs = [finals[i] for i in sorted(finals)]
+            if on_complete is not None and len(outs) == params.n:
+                on_complete(outs)
             if include_usage:
-                outs = [finals[i] for i in sorted(finals)]
                 cached = outs[0].num_cached_tokens if outs else 0
                 yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': usage(prompt_ids, outs, cached)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
                 t.cancel()  # a client that went away: the streams' finally blocks abort the requests
+
+    def cache_lookup(endpoint: str, req, request: Request):
+        """(key or None, cached body or None, X-Cache value)."""
+        if result_cache is None:
+            return None, None, "bypass"
+        fields = req.model_dump(exclude={"stream", "stream_options", "user", "model"})
+        if "no-cache" in request.headers.get("cache-control", "") or not is_cacheable(fields):
+            return None, None, "bypass"
+        version = request.headers.get("x-prompt-version") or prompt_version
+        result_cache.set_version(version)
+        key = ResultCache.make_key(fingerprint, version, {"endpoint": endpoint, **fields})
+        body = result_cache.get(key)
+        if engine.metrics is not None:
+            (engine.metrics.result_cache_hits if body is not None else engine.metrics.result_cache_misses).inc()
+        return key, body, "hit" if body is not None else "miss"
+
+    def cached_stream(body: dict, chunk_object: str, include_usage: bool, is_chat: bool) -> AsyncIterator[str]:
+        async def events():
+            head = {"id": body["id"], "object": chunk_object, "created": body["created"], "model": body["model"]}
+            for c in body["choices"]:
+                if is_chat:
+                    yield f"data: {json.dumps(head | {'choices': [{'index': c['index'], 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
+                    delta = {"index": c["index"], "delta": {"content": c["message"]["content"]}}
+                else:
+                    delta = {"index": c["index"], "text": c["text"]}
+                yield f"data: {json.dumps(head | {'choices': [delta | {'logprobs': c['logprobs'], 'finish_reason': c['finish_reason']}]})}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps(head | {'choices': [], 'usage': body['usage']})}\n\n"
+            yield "data: [DONE]\n\n"
+        return events()
+
+    def fresh_ids(body: dict, prefix: str) -> dict:
+        return body | {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time())}
 
     def prepare(prompt_ids: list[int], params: SamplingParams, base_id: str) -> None:
         if not prompt_ids:
@@ -229,8 +277,27 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if any(t < 0 or t >= engine.engine.loaded.config.vocab_size for t in prompt_ids):
                 raise APIError(400, f"prompt token ids must be in [0, {engine.engine.loaded.config.vocab_size})", "prompt")
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        key, hit, cache_state = cache_lookup("completions", req, request)
+        headers = {"X-Cache": cache_state}
+        if hit is not None:
+            body = fresh_ids(hit, "cmpl")
+            if req.stream:
+                return StreamingResponse(cached_stream(body, "text_completion", include, False),
+                                         media_type="text/event-stream", headers=headers)
+            return JSONResponse(body, headers=headers)
         base_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
         prepare(prompt_ids, params, base_id)
+
+        def body_from(outs) -> dict:
+            choices = [{"index": i, "text": o.outputs[0].text,
+                        "logprobs": completion_logprobs(o.outputs[0].logprobs),
+                        "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+            body = {"id": base_id, "object": "text_completion", "created": created, "model": name,
+                    "choices": choices, "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+            if key is not None:
+                result_cache.put(key, body)
+            return body
 
         def chunk(i, out):
             body = {"id": base_id, "object": "text_completion", "created": created, "model": name}
@@ -242,15 +309,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                         "finish_reason": c.finish_reason}]}
 
         if req.stream:
-            include = bool(req.stream_options and req.stream_options.include_usage)
             started = await start_stream(prompt_ids, params, base_id)
-            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, on_complete=body_from),
+                                     media_type="text/event-stream", headers=headers)
         outs = await run_choices(request, prompt_ids, params, base_id)
-        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": completion_logprobs(o.outputs[0].logprobs),
-                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
-        return {"id": base_id, "object": "text_completion", "created": created, "model": name, "choices": choices,
-                "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+        return JSONResponse(body_from(outs), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -264,8 +327,27 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             max_tokens = max(1, limit - len(prompt_ids))
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = sampling(req, max_tokens, top if req.logprobs else None)
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        key, hit, cache_state = cache_lookup("chat", req, request)
+        headers = {"X-Cache": cache_state}
+        if hit is not None:
+            body = fresh_ids(hit, "chatcmpl")
+            if req.stream:
+                return StreamingResponse(cached_stream(body, "chat.completion.chunk", include, True),
+                                         media_type="text/event-stream", headers=headers)
+            return JSONResponse(body, headers=headers)
         base_id, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
         prepare(prompt_ids, params, base_id)
+
+        def body_from(outs) -> dict:
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
+                        "logprobs": chat_logprobs(o.outputs[0].logprobs), "finish_reason": o.outputs[0].finish_reason}
+                       for i, o in enumerate(outs)]
+            body = {"id": base_id, "object": "chat.completion", "created": created, "model": name,
+                    "choices": choices, "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+            if key is not None:
+                result_cache.put(key, body)
+            return body
 
         def chunk(i, out):
             body = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name}
@@ -282,15 +364,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                  "finish_reason": None}]}
 
         if req.stream:
-            include = bool(req.stream_options and req.stream_options.include_usage)
             started = await start_stream(prompt_ids, params, base_id)
-            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, (role_chunk,)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, (role_chunk,),
+                                                    on_complete=body_from),
+                                     media_type="text/event-stream", headers=headers)
         outs = await run_choices(request, prompt_ids, params, base_id)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
-                    "logprobs": chat_logprobs(o.outputs[0].logprobs), "finish_reason": o.outputs[0].finish_reason}
-                   for i, o in enumerate(outs)]
-        return {"id": base_id, "object": "chat.completion", "created": created, "model": name, "choices": choices,
-                "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+        return JSONResponse(body_from(outs), headers=headers)
 
     return app

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
@@ -13,29 +11,18 @@ from fivefold.engine.config import EngineConfig
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.serve.app import build_app
 from fivefold.serve.async_engine import AsyncEngine
+from tests.serve.conftest import running_server, wait_until_idle
 
 MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    import uvicorn
-
     # One sequence at a time, so a second request has to queue.
     engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=1)),
                          max_queued_requests=2, max_queued_tokens=1000, queue_timeout=0.5)
-    app = build_app(engine, MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
+    with running_server(build_app(engine, MODEL)) as url:
+        yield url, engine
     engine.shutdown()
 
 
@@ -72,7 +59,5 @@ def test_queue_timeout_gives_503_and_leaves_the_queue(server):
             assert "the limit is 0.5 s" in r.json()["error"]["message"]
             assert 0.5 <= time.monotonic() - start < 5
         assert engine.num_queued_requests == 0
-    deadline = time.time() + 10  # closing the long stream aborted it
-    while engine.engine.has_unfinished and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until_idle(engine.engine)  # closing the long stream aborted it
     assert not engine.engine.has_unfinished and engine.engine.kv_cache.num_used_blocks == 0

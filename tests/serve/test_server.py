@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import openai
 import pytest
@@ -15,6 +11,7 @@ from fivefold.engine.llm_engine import LLMEngine
 from fivefold.serve.app import build_app
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.metrics import ServerMetrics
+from tests.serve.conftest import running_server, wait_until_idle
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
@@ -22,23 +19,10 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    import uvicorn
-
     engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=256 << 20)), ServerMetrics(MODEL))
     app = build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=64 << 10)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
+    with running_server(app) as url:
+        yield url, engine
     engine.shutdown()
 
 
@@ -131,10 +115,7 @@ def test_disconnected_streams_are_aborted_and_blocks_freed(server, client):
             if i == 3:
                 break
         stream.close()
-    deadline = time.time() + 10
-    while engine.has_unfinished and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)
+    wait_until_idle(engine)
     assert not engine.has_unfinished
     assert engine.kv_cache.num_used_blocks == 0
     engine.kv_cache.check_integrity([])

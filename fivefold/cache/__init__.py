@@ -1,0 +1,1 @@
+"""Caches above the engine (the KV prefix cache lives in fivefold/engine)."""

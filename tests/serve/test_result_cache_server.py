@@ -1,0 +1,64 @@
+"""The result cache in front of the engine: hits never reach it, sampled requests are
+not cached, a prompt-version change invalidates, no-cache bypasses."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from fivefold.cache.result_cache import ResultCache
+from fivefold.engine.config import EngineConfig
+from fivefold.engine.llm_engine import LLMEngine
+from fivefold.serve.app import build_app
+from fivefold.serve.async_engine import AsyncEngine
+from tests.serve.conftest import running_server
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=64 << 20)))
+    cache = ResultCache(max_entries=8)
+    with running_server(build_app(engine, MODEL, result_cache=cache, prompt_version="v1")) as url:
+        yield url, engine, cache
+    engine.shutdown()
+
+
+def post(url, body, **headers):
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, headers=headers, timeout=60)
+
+
+def test_hit_miss_version_and_bypass(server):
+    url, engine, cache = server
+    body = {"prompt": "Result cache: the sky is", "temperature": 0, "max_tokens": 8}
+    first = post(url, body)
+    assert first.headers["x-cache"] == "miss"
+    queries = engine.engine.kv_cache.stats.num_queries
+    second = post(url, body)
+    assert second.headers["x-cache"] == "hit"
+    assert second.json()["choices"] == first.json()["choices"] and second.json()["usage"] == first.json()["usage"]
+    assert engine.engine.kv_cache.stats.num_queries == queries, "a hit must not reach the engine"
+    # a streamed hit returns the same text
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    chunks = list(client.completions.create(model=MODEL, stream=True, **body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.json()["choices"][0]["text"]
+    assert engine.engine.kv_cache.stats.num_queries == queries
+    # Cache-Control: no-cache goes to the engine
+    assert post(url, body, **{"Cache-Control": "no-cache"}).headers["x-cache"] == "bypass"
+    # a new prompt version makes the old entry unreachable and purges it
+    assert post(url, body, **{"X-Prompt-Version": "v2"}).headers["x-cache"] == "miss"
+    assert cache.stats.purged >= 1
+    assert post(url, body, **{"X-Prompt-Version": "v2"}).headers["x-cache"] == "hit"
+
+
+def test_only_deterministic_requests_are_cached(server):
+    url, _, cache = server
+    sampled = {"prompt": "Once upon a time", "temperature": 0.8, "max_tokens": 4}
+    assert post(url, sampled).headers["x-cache"] == "bypass"
+    assert post(url, sampled).headers["x-cache"] == "bypass"
+    seeded = dict(sampled, seed=3)
+    assert post(url, seeded).headers["x-cache"] == "miss"
+    hit = post(url, seeded)
+    assert hit.headers["x-cache"] == "hit"
