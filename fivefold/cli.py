@@ -62,6 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--result-cache-entries", type=int, default=1024, help="0 disables the result cache")
     serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
     serve.add_argument("--prompt-version", default="v1", help="result-cache version (X-Prompt-Version overrides)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="on SIGINT/SIGTERM: stop accepting, let in-flight requests finish this long, abort the rest")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--model", default=DEFAULT_LLM)
+    bs.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "pydoc"])
+    bs.add_argument("--num-requests", type=int, default=64)
+    bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    bs.add_argument("--max-concurrency", type=int, default=None, help="closed-loop clients")
+    bs.add_argument("--input-len", type=int, default=128)
+    bs.add_argument("--output-len", type=int, default=128)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft=1.0,tpot=0.2 (seconds)")
 
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
@@ -185,13 +201,20 @@ def cmd_serve(args) -> int:
                     result_cache=cache, prompt_version=args.prompt_version)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_grace)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # aborts whatever outlived the grace period
     return 0
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
+def cmd_bench(args) -> int:
+    from fivefold.bench.serve_bench import main as bench_serve
+
+    return bench_serve(args)
+
+
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

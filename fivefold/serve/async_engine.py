@@ -118,9 +118,13 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the step loop, then abort every request still in the engine (freeing its blocks)."""
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._deliver(request_id, QueueTimeoutError("the server is shutting down"))
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
