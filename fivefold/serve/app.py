@@ -57,16 +57,28 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     tokenizer = engine.tokenizer
     fingerprint = model_fingerprint(engine)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error_response(413, f"request body is {length} bytes; the limit is {max_body_bytes} bytes")
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                      error_type="authentication_error")
-        return await call_next(request)
+    # A pure ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) wraps the
+    # receive channel, and then request.is_disconnected() never sees the client leave.
+    class Guard:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                headers = dict(scope.get("headers") or [])
+                length = headers.get(b"content-length", b"").decode()
+                refusal = None
+                if length.isdigit() and int(length) > max_body_bytes:
+                    refusal = error_response(413, f"request body is {length} bytes; the limit is {max_body_bytes} bytes")
+                elif api_key is not None and scope["path"].startswith("/v1/") and \
+                        headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
+                    refusal = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                             error_type="authentication_error")
+                if refusal is not None:
+                    return await refusal(scope, receive, send)
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -148,3 +150,15 @@ def test_metrics_after_known_traffic(server, client):
     assert delta("fivefold:inter_token_latency_seconds_count") == 12
     assert delta("fivefold:prefix_cache_queries_total") == 3 * num_prompt
     assert metric(after, "fivefold:num_requests_running") == 0 and metric(after, "fivefold:kv_cache_usage_perc") == 0
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server):
+    url, engine = server[0], server[1].engine
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "temperature": 0, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0)
+    start = time.time()
+    wait_until_idle(engine)
+    assert not engine.has_unfinished, "400 tokens take ~13 s: only an abort empties the engine this soon"
+    assert time.time() - start < 5
+    assert engine.kv_cache.num_used_blocks == 0
