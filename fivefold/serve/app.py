@@ -4,7 +4,8 @@
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
 400 for values out of range (the message names the limit), malformed JSON, an empty
 prompt or unknown model; 401 without the right API key; 413 for a body over the
-size limit; 422 for fields of the wrong type.
+size limit (judged by Content-Length; a chunked body is not counted); 422 for fields
+of the wrong type; 429 past the queue limits; 503 after the queue timeout.
 """
 
 from __future__ import annotations
@@ -279,53 +280,77 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         engine.validate(prompt_ids, params)
         engine.reserve_queue([f"{base_id}-{i}" for i in range(params.n)], len(prompt_ids))
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        if isinstance(req.prompt, str):
-            prompt_ids = tokenizer.encode(req.prompt) if req.prompt else []
-        else:
-            prompt_ids = list(req.prompt)
-            if any(t < 0 or t >= engine.engine.loaded.config.vocab_size for t in prompt_ids):
-                raise APIError(400, f"prompt token ids must be in [0, {engine.engine.loaded.config.vocab_size})", "prompt")
-        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+    # endpoint -> (id prefix, response object, stream chunk object)
+    endpoints = {"completions": ("cmpl", "text_completion", "text_completion"),
+                 "chat": ("chatcmpl", "chat.completion", "chat.completion.chunk")}
+
+    async def respond(kind: str, req, request: Request, prompt_ids: list[int], params: SamplingParams,
+                      choice_of, delta_of):
+        """The shared path of both endpoints: result cache, queue, engine, JSON or SSE.
+
+        ``choice_of(output)`` / ``delta_of(output)`` give the endpoint-specific fields of a
+        finished choice / of a stream chunk."""
+        prefix, object_name, chunk_object = endpoints[kind]
         include = bool(req.stream_options and req.stream_options.include_usage)
-        key, hit, cache_state = cache_lookup("completions", req, request)
+        key, hit, cache_state = cache_lookup(kind, req, request)
         headers = {"X-Cache": cache_state}
         if hit is not None:
-            body = fresh_ids(hit, "cmpl")
+            body = fresh_ids(hit, prefix)
             if req.stream:
-                return StreamingResponse(cached_stream(body, "text_completion", include, False),
+                return StreamingResponse(cached_stream(body, chunk_object, include, kind == "chat"),
                                          media_type="text/event-stream", headers=headers)
             return JSONResponse(body, headers=headers)
-        base_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name
+        base_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         prepare(prompt_ids, params, base_id)
 
         def body_from(outs) -> dict:
-            choices = [{"index": i, "text": o.outputs[0].text,
-                        "logprobs": completion_logprobs(o.outputs[0].logprobs),
-                        "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
-            body = {"id": base_id, "object": "text_completion", "created": created, "model": name,
-                    "choices": choices, "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+            body = {"id": base_id, "object": object_name, "created": created, "model": model_name,
+                    "choices": [{"index": i, **choice_of(o)} for i, o in enumerate(outs)],
+                    "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
             if key is not None:
                 result_cache.put(key, body)
             return body
 
         def chunk(i, out):
-            body = {"id": base_id, "object": "text_completion", "created": created, "model": name}
-            if out is None:
-                return body
-            c = out.outputs[0]
-            lp = completion_logprobs(c.logprobs[-len(out.delta_token_ids):] if c.logprobs is not None else None)
-            return body | {"choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
-                                        "finish_reason": c.finish_reason}]}
+            head = {"id": base_id, "object": chunk_object, "created": created, "model": model_name}
+            return head if out is None else head | {"choices": [{"index": i, **delta_of(out)}]}
+
+        def role_chunk(i):
+            return chunk(None, None) | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]}
 
         if req.stream:
             started = await start_stream(prompt_ids, params, base_id)
-            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, on_complete=body_from),
+            first_chunks = (role_chunk,) if kind == "chat" else ()
+            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, first_chunks,
+                                                    on_complete=body_from),
                                      media_type="text/event-stream", headers=headers)
         outs = await run_choices(request, prompt_ids, params, base_id)
         return JSONResponse(body_from(outs), headers=headers)
+
+    def new_logprobs(out, convert):
+        """Logprob entries of the tokens this output added."""
+        entries = out.outputs[0].logprobs
+        return None if entries is None else convert(entries[-len(out.delta_token_ids):])
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        vocab_size = engine.engine.loaded.config.vocab_size
+        if isinstance(req.prompt, str):
+            prompt_ids = tokenizer.encode(req.prompt) if req.prompt else []
+        else:
+            prompt_ids = list(req.prompt)
+            if any(t < 0 or t >= vocab_size for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        return await respond(
+            "completions", req, request, prompt_ids, params,
+            choice_of=lambda o: {"text": o.outputs[0].text, "logprobs": completion_logprobs(o.outputs[0].logprobs),
+                                 "finish_reason": o.outputs[0].finish_reason},
+            delta_of=lambda o: {"text": o.delta_text, "logprobs": new_logprobs(o, completion_logprobs),
+                                "finish_reason": o.outputs[0].finish_reason},
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -333,54 +358,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if not req.messages:
             raise APIError(400, "messages is empty; at least one message is required", "messages")
         prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True)
-        limit = engine.engine.max_model_len
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
-            max_tokens = max(1, limit - len(prompt_ids))
+            max_tokens = max(1, engine.engine.max_model_len - len(prompt_ids))
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = sampling(req, max_tokens, top if req.logprobs else None)
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        key, hit, cache_state = cache_lookup("chat", req, request)
-        headers = {"X-Cache": cache_state}
-        if hit is not None:
-            body = fresh_ids(hit, "chatcmpl")
-            if req.stream:
-                return StreamingResponse(cached_stream(body, "chat.completion.chunk", include, True),
-                                         media_type="text/event-stream", headers=headers)
-            return JSONResponse(body, headers=headers)
-        base_id, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name
-        prepare(prompt_ids, params, base_id)
-
-        def body_from(outs) -> dict:
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
-                        "logprobs": chat_logprobs(o.outputs[0].logprobs), "finish_reason": o.outputs[0].finish_reason}
-                       for i, o in enumerate(outs)]
-            body = {"id": base_id, "object": "chat.completion", "created": created, "model": name,
-                    "choices": choices, "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
-            if key is not None:
-                result_cache.put(key, body)
-            return body
-
-        def chunk(i, out):
-            body = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name}
-            if out is None:
-                return body
-            c = out.outputs[0]
-            lp = chat_logprobs(c.logprobs[-len(out.delta_token_ids):] if c.logprobs is not None else None)
-            return body | {"choices": [{"index": i, "delta": {"content": out.delta_text}, "logprobs": lp,
-                                        "finish_reason": c.finish_reason}]}
-
-        def role_chunk(i):
-            return {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]}
-
-        if req.stream:
-            started = await start_stream(prompt_ids, params, base_id)
-            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, (role_chunk,),
-                                                    on_complete=body_from),
-                                     media_type="text/event-stream", headers=headers)
-        outs = await run_choices(request, prompt_ids, params, base_id)
-        return JSONResponse(body_from(outs), headers=headers)
+        return await respond(
+            "chat", req, request, prompt_ids, params,
+            choice_of=lambda o: {"message": {"role": "assistant", "content": o.outputs[0].text},
+                                 "logprobs": chat_logprobs(o.outputs[0].logprobs),
+                                 "finish_reason": o.outputs[0].finish_reason},
+            delta_of=lambda o: {"delta": {"content": o.delta_text}, "logprobs": new_logprobs(o, chat_logprobs),
+                                "finish_reason": o.outputs[0].finish_reason},
+        )
 
     return app
