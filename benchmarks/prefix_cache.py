@@ -28,13 +28,11 @@ from fivefold.sampling_params import SamplingParams  # noqa: E402
 def run(loaded, prompts: list[list[int]], enable_prefix_caching: bool, max_tokens: int) -> dict:
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=4 << 30, enable_prefix_caching=enable_prefix_caching))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    computed = 0
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
     ttfts, outputs = [], {}
     while engine.has_unfinished:
-        batch_tokens = engine.scheduler  # noqa: F841
         outs = engine.step()
         for o in outs:
             if len(o.outputs[0].token_ids) == 1:

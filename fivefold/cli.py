@@ -118,7 +118,7 @@ def cmd_models(args) -> int:
 
 
 def _stream_to_stdout(llm, prompt, params) -> tuple[int, float]:
-    start = time.perf_counter()
+    """Print the tokens as they come; return (tokens, decode tokens/s after the first)."""
     first = None
     num_tokens = 0
     for out in llm.stream(prompt, params):
