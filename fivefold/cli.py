@@ -78,6 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--output-len", type=int, default=128)
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft=1.0,tpot=0.2 (seconds)")
+    bs.add_argument("--registry", default=".fivefold/runs.db", help="SQLite run registry ('' to not record)")
+
+    runs = sub.add_parser("runs", help="the run registry: list, show, compare, baseline, rollback")
+    runs.add_argument("--registry", default=".fivefold/runs.db")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    runs_sub.add_parser("list")
+    show = runs_sub.add_parser("show")
+    show.add_argument("id", type=int)
+    cmp_ = runs_sub.add_parser("compare")
+    cmp_.add_argument("a", type=int)
+    cmp_.add_argument("b", type=int)
+    base = runs_sub.add_parser("baseline", help="show the baselines, or 'baseline set ID'")
+    base.add_argument("action", nargs="?", choices=["set"])
+    base.add_argument("id", type=int, nargs="?")
+    rb = runs_sub.add_parser("rollback", help="write a run's configuration as a recipe file")
+    rb.add_argument("id", type=int)
+    rb.add_argument("--out", default=None, help="recipe path (default recipe-ID.json)")
 
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
@@ -208,13 +225,64 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def print_comparison(registry, a: int, b: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    comparison = registry.compare(a, b)
+    console = Console(width=130)
+    table = Table(title=f"run {a} -> run {b}")
+    for col in ("", "key", f"run {a}", f"run {b}", "ratio"):
+        table.add_column(col)
+    for key, (va, vb) in comparison.config_diff.items():
+        table.add_row("config", key, str(va), str(vb), "")
+    for key, (va, vb, ratio) in comparison.metric_ratios.items():
+        table.add_row("metric", key, f"{va:.4g}", f"{vb:.4g}", f"{ratio:.3f}x" if ratio is not None else "-")
+    console.print(table)
+    if comparison.warning:
+        console.print(f"[yellow]warning: {comparison.warning}[/yellow]")
+
+
+def cmd_runs(args) -> int:
+    import json as _json
+
+    from fivefold.bench.registry import RunRegistry
+
+    registry = RunRegistry(args.registry)
+    if args.runs_command == "list":
+        for run in registry.list():
+            print(f"{run.id:4d}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(run.created))}  {run.name:14s}  "
+                  f"{(run.git_commit or '-')[:10]}  {_json.dumps(run.config, sort_keys=True)[:80]}")
+    elif args.runs_command == "show":
+        run = registry.get(args.id)
+        print(_json.dumps(run.__dict__, indent=2, sort_keys=True, default=str))
+    elif args.runs_command == "compare":
+        print_comparison(registry, args.a, args.b)
+    elif args.runs_command == "baseline":
+        if args.action == "set":
+            if args.id is None:
+                raise FivefoldError("usage: fivefold runs baseline set ID")
+            registry.set_baseline(args.id)
+            print(f"run {args.id} is the baseline of '{registry.get(args.id).name}'")
+        else:
+            for run in registry.list():
+                base = registry.baseline(run.name)
+                if base is not None and base.id == run.id:
+                    print(f"{run.name}: run {run.id}")
+    elif args.runs_command == "rollback":
+        path = registry.rollback(args.id, args.out or f"recipe-{args.id}.json")
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from fivefold.bench.serve_bench import main as bench_serve
 
     return bench_serve(args)
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
+            "runs": cmd_runs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,7 +200,22 @@ def main(args) -> int:
     console.print(f"completed {summary['completed']}, failed {summary['failed']} in {elapsed:.1f} s: "
                   f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s"
                   + (f", goodput {summary['goodput_req_s']:.2f} req/s" if slo else ""))
-    print(json.dumps({"benchmark": "serve", "url": url, "dataset": args.dataset, "num_requests": args.num_requests,
-                      "input_len": args.input_len, "output_len": args.output_len,
-                      "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, **summary}))
+    config = {"url": url, "model": args.model, "dataset": args.dataset, "num_requests": args.num_requests,
+              "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency, "seed": args.seed, "slo": args.slo}
+    if args.registry:
+        from fivefold.bench.registry import RunRegistry
+        from fivefold.cli import print_comparison
+
+        registry = RunRegistry(args.registry)
+        run_id = registry.record("bench serve", config, {k: v for k, v in summary.items() if k != "errors"})
+        baseline = registry.baseline("bench serve")
+        if baseline is None:
+            registry.set_baseline(run_id)
+            console.print(f"run {run_id} stored in {args.registry} and set as the baseline")
+        else:
+            console.print(f"run {run_id} stored in {args.registry}; against the baseline (run {baseline.id}):")
+            print_comparison(registry, baseline.id, run_id)
+        registry.close()
+    print(json.dumps({"benchmark": "serve", **config, **summary}))
     return 0 if summary["completed"] else 1

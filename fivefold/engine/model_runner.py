@@ -12,6 +12,7 @@ import torch
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.sequence import Sequence
 from fivefold.errors import FivefoldError
+from fivefold.kernels import paged_attention_ops
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
 
@@ -25,6 +26,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
         model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
+        paged_attention_ops()  # load (or build) the decode kernel now, not during the first request
         self.block_size = config.block_size
         c = model.config
         bytes_per_block = kv_bytes_per_token(model) * config.block_size

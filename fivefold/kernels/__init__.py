@@ -30,7 +30,14 @@ def paged_attention_ops():
 
         from fivefold.models.tokenizer import cache_dir
 
-        build_dir = cache_dir() / "torch_extensions" / "paged_attention"
+        import hashlib
+
+        import torch
+
+        # One build per torch installation: two environments sharing a build directory
+        # would recompile each other's build (ninja sees the include paths change).
+        key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
+        build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         _module = load_inline(
             name="fivefold_paged_attention",
