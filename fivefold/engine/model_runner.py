@@ -41,10 +41,6 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
-
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Flat inputs of one step: token ids, positions and attention metadata.
 

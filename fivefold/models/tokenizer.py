@@ -52,12 +52,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(token_ids)
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return self.hf.convert_tokens_to_string(tokens)
-
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
         if not self.has_chat_template:

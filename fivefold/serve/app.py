@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -133,8 +134,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         )
 
     def per_choice(params: SamplingParams, index: int) -> SamplingParams:
-        from dataclasses import replace
-
         seed = None if params.seed is None else params.seed + index
         return replace(params, n=1, seed=seed)
 
