@@ -125,12 +125,16 @@ def cmd_models(args) -> int:
     from fivefold.models.registry import BUILTIN_MODELS
 
     table = Table(title="built-in models")
-    for col in ("name", "kind", "description", "path"):
+    for col in ("name", "kind", "description"):
         table.add_column(col)
-    for m in BUILTIN_MODELS.values():
-        path = m.path()
-        table.add_row(m.name, m.kind, m.description, str(path) if path else "[red]not installed[/red]")
-    Console(width=200).print(table)
+    # Paths are never wrapped: they get copied into other commands, and a folded path is useless.
+    table.add_column("path", no_wrap=True, overflow="ignore")
+    rows = [(m.name, m.kind, m.description, str(m.path()) if m.path() else "[red]not installed[/red]")
+            for m in BUILTIN_MODELS.values()]
+    for row in rows:
+        table.add_row(*row)
+    width = sum(max(len(r[i]) for r in rows) for i in range(4)) + 16
+    Console(width=max(width, 80)).print(table)
     return 0
 
 
