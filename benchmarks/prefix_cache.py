@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fivefold.engine.config import EngineConfig  # noqa: E402
 from fivefold.engine.llm_engine import LLMEngine  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
+from fivefold.data import corpus_ids  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.sampling_params import SamplingParams  # noqa: E402
 
@@ -56,12 +57,11 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args()
-    from pydoc_data.topics import topics
     from rich.console import Console
     from rich.table import Table
 
     loaded = load_model(args.model, "float32")
-    ids = loaded.tokenizer.encode("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
+    ids = corpus_ids(loaded.tokenizer)
     rng = random.Random(0)
     system = ids[: args.system_tokens]
     prompts = []

@@ -24,6 +24,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--preallocation", default="none", choices=["none", "full", "predicted"])
+    p.add_argument("--weight-layout", default="packed", choices=["packed", "dense"],
+                   help="packed: oneDNN-reordered projection weights (default); dense: plain nn.Linear")
+    p.add_argument("--decode-attention", default="kernel", choices=["kernel", "torch"],
+                   help="kernel: the C++ paged decode kernel (default); torch: gather + SDPA")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -65,8 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="on SIGINT/SIGTERM: stop accepting, let in-flight requests finish this long, abort the rest")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (each run stored in the run registry)")
+    bench.add_argument("--recipe", default=None, help="re-run the configuration of a recipe file (runs rollback)")
+    bench.add_argument("--registry", dest="recipe_registry", default=".fivefold/runs.db",
+                       help="with --recipe: the run registry ('' to not record)")
+    bench_sub = bench.add_subparsers(dest="bench_command")
+    bo = bench_sub.add_parser("offline", help="the engine in-process on a fixed workload")
+    _add_model_args(bo)
+    bo.add_argument("--workload", default="throughput", choices=["throughput", "shared-prefix"])
+    bo.add_argument("--num-requests", type=int, default=16)
+    bo.add_argument("--input-len", type=int, default=64)
+    bo.add_argument("--output-len", type=int, default=32)
+    bo.add_argument("--prefix-len", type=int, default=0, help="tokens shared by every prompt (shared-prefix)")
+    bo.add_argument("--seed", type=int, default=0)
+    bo.add_argument("--registry", default=".fivefold/runs.db", help="SQLite run registry ('' to not record)")
     bs = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     bs.add_argument("--url", default="http://127.0.0.1:8000")
     bs.add_argument("--model", default=DEFAULT_LLM)
@@ -95,6 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
     rb = runs_sub.add_parser("rollback", help="write a run's configuration as a recipe file")
     rb.add_argument("id", type=int)
     rb.add_argument("--out", default=None, help="recipe path (default recipe-ID.json)")
+    plot = runs_sub.add_parser("plot", help="throughput vs request rate and the latency CDF, as a PNG")
+    plot.add_argument("ids", type=int, nargs="*", help="runs to draw (default: all)")
+    plot.add_argument("--out", default=".fivefold/runs.png")
+
+    prof = sub.add_parser("profile", help="where the time goes, memory- or compute-bound, which lever to pull")
+    prof.add_argument("--model", default=DEFAULT_LLM)
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    prof.add_argument("--mode", default="decode", choices=["prefill", "decode"])
+    prof.add_argument("--batch", type=int, default=1, help="sequences per step")
+    prof.add_argument("--seq", type=int, default=128, help="prompt (prefill) or context (decode) tokens")
+    prof.add_argument("--iterations", type=int, default=4, help="engine steps profiled")
+    prof.add_argument("--trace", default=None, help="Chrome trace path (default .fivefold/trace-MODE.json)")
+    prof.add_argument("--server", default=None, help="a running fivefold server's URL: apply the batching rule "
+                      "to its /metrics")
+    prof.add_argument("--max-num-seqs", type=int, default=64, help="the server's max_num_seqs (with --server)")
+    prof.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+
+    demo = sub.add_parser("demo", help="profile, then one lever at a time, measured: the five-lever table")
+    demo.add_argument("--model", default=DEFAULT_LLM)
+    demo.add_argument("--full", action="store_true", help="larger workloads (the default is the quick mode)")
+    demo.add_argument("--registry", default=".fivefold/runs.db", help="SQLite run registry ('' to not record)")
+    demo.add_argument("--out", default=".fivefold", help="folder for the plot and the Chrome traces")
 
     chat = sub.add_parser("chat", help="interactive chat with history (/reset, /exit)")
     _add_model_args(chat)
@@ -110,12 +148,17 @@ def _sampling(args):
                           top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
+def _engine_options(args) -> dict:
+    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+                preallocation=args.preallocation, weight_layout=args.weight_layout,
+                decode_attention=args.decode_attention)
+
+
 def _llm(args):
     from fivefold.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=not args.no_prefix_caching, preallocation=args.preallocation)
+    return LLM(args.model, dtype=args.dtype, **_engine_options(args))
 
 
 def cmd_models(args) -> int:
@@ -229,24 +272,6 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def print_comparison(registry, a: int, b: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    comparison = registry.compare(a, b)
-    console = Console(width=130)
-    table = Table(title=f"run {a} -> run {b}")
-    for col in ("", "key", f"run {a}", f"run {b}", "ratio"):
-        table.add_column(col)
-    for key, (va, vb) in comparison.config_diff.items():
-        table.add_row("config", key, str(va), str(vb), "")
-    for key, (va, vb, ratio) in comparison.metric_ratios.items():
-        table.add_row("metric", key, f"{va:.4g}", f"{vb:.4g}", f"{ratio:.3f}x" if ratio is not None else "-")
-    console.print(table)
-    if comparison.warning:
-        console.print(f"[yellow]warning: {comparison.warning}[/yellow]")
-
-
 def cmd_runs(args) -> int:
     import json as _json
 
@@ -261,7 +286,14 @@ def cmd_runs(args) -> int:
         run = registry.get(args.id)
         print(_json.dumps(run.__dict__, indent=2, sort_keys=True, default=str))
     elif args.runs_command == "compare":
+        from fivefold.bench.report import print_comparison
+
         print_comparison(registry, args.a, args.b)
+    elif args.runs_command == "plot":
+        from fivefold.bench.plots import plot_runs
+
+        runs = [registry.get(i) for i in args.ids] if args.ids else registry.list()
+        print(f"wrote {plot_runs(runs, args.out)}")
     elif args.runs_command == "baseline":
         if args.action == "set":
             if args.id is None:
@@ -279,14 +311,66 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    import json as _json
+    import urllib.request
+
+    from rich.console import Console
+
+    from fivefold.models import load_model
+    from fivefold.profile.llm_profile import profile_llm
+    from fivefold.profile.verdict import server_verdict
+
+    loaded = load_model(args.model, args.dtype)
+    trace = args.trace or f".fivefold/trace-{args.mode}.json"
+    report = profile_llm(loaded, args.mode, args.batch, args.seq, args.iterations, trace_path=trace)
+    if args.server:
+        url = args.server.rstrip("/").removesuffix("/v1") + "/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+        except OSError as exc:
+            raise FivefoldError(f"cannot read {url}: {exc}") from None
+        verdict = server_verdict(text, args.max_num_seqs)
+        if verdict is not None:
+            report.verdicts.insert(0, verdict)
+        else:
+            print(f"server {args.server}: no requests waiting, so no batching verdict", file=sys.stderr)
+    report.render(Console(width=150))
+    if args.json:
+        print(_json.dumps(report.to_dict(), default=str))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from fivefold.bench.demo import run_demo
+
+    run_demo(args.model, quick=not args.full, registry_path=args.registry, out_dir=args.out)
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.recipe:
+        from fivefold.bench.recipes import run_recipe
+
+        return run_recipe(args.recipe, args.recipe_registry)
+    if args.bench_command is None:
+        raise FivefoldError("usage: fivefold bench {serve,offline} ... or fivefold bench --recipe FILE")
+    if args.bench_command == "offline":
+        from fivefold.bench.recipes import run_offline_and_record
+        from fivefold.bench.offline_bench import make_config
+
+        config = make_config(args.model, args.dtype, args.workload, args.num_requests, args.input_len,
+                             args.output_len, args.prefix_len, args.seed, **_engine_options(args))
+        return run_offline_and_record(config, args.registry)
     from fivefold.bench.serve_bench import main as bench_serve
 
     return bench_serve(args)
 
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
-            "runs": cmd_runs}
+            "runs": cmd_runs, "profile": cmd_profile,
+            "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,15 +44,14 @@ def make_prompts(dataset: str, num: int, input_len: int, seed: int, vocab_size: 
         return [prefix + [rng.randrange(100, vocab_size - 100) for _ in range(input_len - len(prefix))]
                 for _ in range(num)]
     if dataset == "pydoc":  # the default model's tokenizer over pydoc_data's English
-        from pydoc_data.topics import topics
-
+        from fivefold.data import corpus_ids
         from fivefold.models.gguf_file import open_gguf
         from fivefold.models.registry import resolve_model_path
         from fivefold.models.tokenizer import load_gguf_tokenizer
 
         path = resolve_model_path("smollm2-135m-instruct")
         tok = load_gguf_tokenizer(path, open_gguf(path))
-        ids = tok.encode("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
+        ids = corpus_ids(tok)
         starts = [rng.randrange(0, len(ids) - input_len) for _ in range(num)]
         return [ids[s:s + input_len] for s in starts]
     raise ValueError(f"dataset must be one of {', '.join(DATASETS)}")
@@ -152,6 +151,7 @@ def summarize(results: list[RequestResult], elapsed: float, slo: dict[str, float
         "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats([r.tpot for r in ok]),
         "itl_s": _stats([x for r in ok for x in r.itls]), "e2e_s": _stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "samples": {"ttft_s": [r.ttft for r in ok], "e2e_s": [r.e2e for r in ok]},  # for the latency CDF
     }
 
 
@@ -203,19 +203,8 @@ def main(args) -> int:
     config = {"url": url, "model": args.model, "dataset": args.dataset, "num_requests": args.num_requests,
               "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
               "max_concurrency": args.max_concurrency, "seed": args.seed, "slo": args.slo}
-    if args.registry:
-        from fivefold.bench.registry import RunRegistry
-        from fivefold.cli import print_comparison
+    from fivefold.bench.report import record_run
 
-        registry = RunRegistry(args.registry)
-        run_id = registry.record("bench serve", config, {k: v for k, v in summary.items() if k != "errors"})
-        baseline = registry.baseline("bench serve")
-        if baseline is None:
-            registry.set_baseline(run_id)
-            console.print(f"run {run_id} stored in {args.registry} and set as the baseline")
-        else:
-            console.print(f"run {run_id} stored in {args.registry}; against the baseline (run {baseline.id}):")
-            print_comparison(registry, baseline.id, run_id)
-        registry.close()
+    record_run(args.registry, "bench serve", config, {k: v for k, v in summary.items() if k != "errors"}, console)
     print(json.dumps({"benchmark": "serve", **config, **summary}))
     return 0 if summary["completed"] else 1

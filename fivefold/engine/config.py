@@ -8,6 +8,8 @@ from fivefold.errors import FivefoldError
 
 
 PREALLOCATION_POLICIES = ("none", "full", "predicted")
+WEIGHT_LAYOUTS = ("packed", "dense")
+DECODE_ATTENTION_BACKENDS = ("kernel", "torch")
 
 
 def available_memory_bytes() -> int:
@@ -33,6 +35,11 @@ class EngineConfig:
     preallocation: blocks reserved when a request is admitted: "none" (only what each
     step computes), "full" (prompt + max_tokens) or "predicted" (prompt + the 90th
     percentile of recent output lengths, capped at max_tokens).
+    weight_layout: "packed" swaps every projection for a oneDNN-packed linear (the
+    weights reordered once into the blocked layout the GEMM reads); "dense" keeps
+    nn.Linear (the reference, and what the hardware lever is measured against).
+    decode_attention: "kernel" runs single-token attention in the C++ paged kernel
+    (keys read in place from their blocks); "torch" gathers the context and calls SDPA.
     """
 
     block_size: int = 16
@@ -42,6 +49,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     preallocation: str = "none"
+    weight_layout: str = "packed"
+    decode_attention: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -56,6 +65,11 @@ class EngineConfig:
             raise FivefoldError(
                 f"preallocation must be one of {', '.join(PREALLOCATION_POLICIES)}, got '{self.preallocation}'"
             )
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise FivefoldError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got '{self.weight_layout}'")
+        if self.decode_attention not in DECODE_ATTENTION_BACKENDS:
+            raise FivefoldError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_BACKENDS)}, "
+                                f"got '{self.decode_attention}'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -9,6 +9,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import torch
+
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.detokenizer import IncrementalDetokenizer
 from fivefold.engine.kv_cache_manager import KVCacheManager
@@ -110,7 +112,8 @@ class LLMEngine:
         self.scheduler.postprocess(batch)
         if not sampling:
             return []
-        sampled = self.sampler(logits, sampling)
+        with torch.profiler.record_function("fivefold::sampling"):  # named so the profiler can attribute it
+            sampled = self.sampler(logits, sampling)
         now = time.monotonic()
         outputs = []
         for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):

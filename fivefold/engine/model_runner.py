@@ -25,8 +25,11 @@ def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         self.model = model
-        model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
-        paged_attention_ops()  # load (or build) the decode kernel now, not during the first request
+        if config.weight_layout == "packed":
+            model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
+        self.use_decode_kernel = config.decode_attention == "kernel"
+        if self.use_decode_kernel:
+            paged_attention_ops()  # load (or build) the decode kernel now, not during the first request
         self.block_size = config.block_size
         c = model.config
         bytes_per_block = kv_bytes_per_token(model) * config.block_size
@@ -68,6 +71,7 @@ class ModelRunner:
             slot_mapping=slots,
             block_tables=tables,
             block_size=bs,
+            use_decode_kernel=self.use_decode_kernel,
         )
         return torch.tensor(input_ids, dtype=torch.long), positions, meta
 

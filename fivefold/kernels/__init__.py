@@ -18,7 +18,7 @@ _error: str | None = None
 
 
 def paged_attention_ops():
-    """The compiled module (with ``paged_decode_attention``), or None if it cannot be built."""
+    """The op namespace ``torch.ops.fivefold`` (with ``paged_decode_attention``), or None if it cannot be built."""
     global _module, _error
     if _module is not None or _error is not None:
         return _module
@@ -47,6 +47,7 @@ def paged_attention_ops():
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )
+        _module = torch.ops.fivefold  # loading the library registered the op with the dispatcher
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
         _error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         warnings.warn(f"fivefold: paged attention kernel unavailable, using the PyTorch path ({_error})")

@@ -32,6 +32,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
     block_size: int
+    use_decode_kernel: bool = True  # False: gather + SDPA even where the C++ kernel is available
     _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -135,7 +136,7 @@ def paged_attention(
         o = _sdpa(q[start:end].transpose(0, 1), ki, vi, mask, is_causal, scale)
         out[start:end] = o.transpose(0, 1)
     if plan is not None:
-        _batched_decode(q, kv_cache, plan, scale, out)
+        _batched_decode(q, kv_cache, plan, scale, out, meta.use_decode_kernel)
     return out
 
 
@@ -147,7 +148,7 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
     return blocks[0], blocks[1]
 
 
-def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out) -> None:
+def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out, use_kernel: bool = True) -> None:
     """Attention of every single-token query over its paged context.
 
     With the compiled kernel (fivefold/kernels), keys and values are read in place
@@ -157,7 +158,7 @@ def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out) -> None:
     Padded key slots read whatever block the padding points at (the cache is
     zero-initialised, so the values are finite) and are masked out.
     """
-    ops = paged_attention_ops() if kv_cache.device.type == "cpu" else None
+    ops = paged_attention_ops() if use_kernel and kv_cache.device.type == "cpu" else None
     if ops is not None:
         out[plan.token_rows] = ops.paged_decode_attention(q[plan.token_rows], kv_cache, plan.tables, plan.seq_lens, scale)
         return

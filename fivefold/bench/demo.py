@@ -1,0 +1,228 @@
+"""``fivefold demo``: the whole story on one model, in one command.
+
+1. Profile the baseline (decode and prefill): where the time goes, and the verdict.
+2. Turn on one lever at a time. Each row of the table is a pair of runs of the same
+   workload whose configurations differ in exactly one variable (checked through the
+   run registry), measured back to back in this process on one loaded model.
+3. Print the five-lever table (lever, change, metric before -> after, ratio, accuracy
+   cost as greedy-token agreement with the run before) and save a bar chart.
+
+Levers that have not landed yet are listed as such, never simulated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fivefold.bench.offline_bench import bench_name, make_config, run_offline, token_agreement
+from fivefold.bench.registry import RunRegistry, model_fingerprint
+
+
+@dataclass(frozen=True)
+class DemoSizes:
+    hardware_requests: int
+    batching_requests: int
+    prefix_requests: int
+    prefix_len: int
+    input_len: int
+    output_len: int
+    profile_seq: int
+
+
+QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
+                  output_len=32, profile_seq=128)
+FULL = DemoSizes(hardware_requests=32, batching_requests=64, prefix_requests=32, prefix_len=512, input_len=128,
+                 output_len=64, profile_seq=256)
+KV_CACHE_BYTES = float(512 << 20)
+
+
+@dataclass
+class LeverRow:
+    lever: str
+    change: str
+    metric: str
+    before: float | None = None
+    after: float | None = None
+    higher_is_better: bool = True
+    accuracy: str = ""
+    runs: tuple[int, int] | None = None
+    status: str = "measured"
+
+    @property
+    def ratio(self) -> float | None:
+        """Speed-up: > 1 means the lever helped, whichever direction the metric goes."""
+        if self.before is None or self.after is None or not self.before or not self.after:
+            return None
+        return self.after / self.before if self.higher_is_better else self.before / self.after
+
+
+class _Runner:
+    """Runs configurations on one loaded model, stores them, keeps their metrics."""
+
+    def __init__(self, loaded, fingerprint: str | None, registry: RunRegistry | None, console) -> None:
+        self.loaded = loaded
+        self.fingerprint = fingerprint
+        self.registry = registry
+        self.console = console
+        self.metrics: dict[int, dict] = {}
+        self._by_config: dict[str, int] = {}  # a configuration already measured is not run again
+        self._local_ids = iter(range(-1, -10_000, -1))
+
+    def run(self, config: dict, what: str) -> int:
+        key = json.dumps(config, sort_keys=True)
+        if key in self._by_config:
+            return self._by_config[key]
+        self.console.print(f"  running: {what} ...")
+        metrics = run_offline(config, self.loaded, show_progress=False)
+        name = bench_name(config["workload"])
+        if self.registry is not None:
+            run_id = self.registry.record(name, config, metrics, self.fingerprint)
+            if self.registry.baseline(name) is None:
+                self.registry.set_baseline(run_id)
+        else:
+            run_id = next(self._local_ids)
+        self.metrics[run_id] = metrics
+        self._by_config[key] = run_id
+        return run_id
+
+    def row(self, lever: str, change: str, metric: str, key: tuple[str, ...], before_cfg: dict, after_cfg: dict,
+            higher_is_better: bool, what: str) -> LeverRow:
+        a = self.run(before_cfg, f"{what}, before")
+        b = self.run(after_cfg, f"{what}, after")
+        if self.registry is not None:
+            num_changed = self.registry.compare(a, b).num_changed_variables
+            assert num_changed == 1, f"demo row '{change}' changed {num_changed} variables"
+
+        def pick(m):
+            for k in key:
+                m = m[k]
+            return m
+
+        ma, mb = self.metrics[a], self.metrics[b]
+        agreement = token_agreement(ma, mb)
+        accuracy = "none: greedy tokens identical" if agreement == 1.0 else f"{agreement:.1%} of greedy tokens agree"
+        return LeverRow(lever, change, metric, pick(ma), pick(mb), higher_is_better, accuracy, (a, b))
+
+
+def _with_engine(config: dict, **changes) -> dict:
+    return {**config, "engine": {**config["engine"], **changes}}
+
+
+def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivefold/runs.db",
+             out_dir: str | Path = ".fivefold", console=None, sizes: DemoSizes | None = None) -> dict[str, Any]:
+    """Profile, then one lever at a time; print the table, save the plot; return everything as a dict.
+
+    ``sizes`` overrides the workload sizes of the quick/full mode (tests use tiny ones)."""
+    from rich.console import Console
+
+    from fivefold.models import load_model
+    from fivefold.profile.llm_profile import profile_llm
+
+    console = console or Console(width=160)
+    sizes = sizes or (QUICK if quick else FULL)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console.rule(f"fivefold demo ({'quick' if quick else 'full'}) on {model}")
+    loaded = load_model(model, "float32")
+    registry = RunRegistry(registry_path) if registry_path else None
+    runner = _Runner(loaded, model_fingerprint(model), registry, console)
+    baseline_engine = dict(weight_layout="dense", decode_attention="torch", kv_cache_memory=KV_CACHE_BYTES)
+
+    # 1. Profile first: the baseline, before any lever (dense weights, gather + SDPA decode).
+    console.rule("1. profile the baseline")
+    profiles = {}
+    for mode in ("decode", "prefill"):
+        report = profile_llm(loaded, mode, batch=1, seq=sizes.profile_seq, num_iterations=4 if mode == "decode" else 2,
+                             trace_path=out_dir / f"demo-trace-{mode}.json", **baseline_engine)
+        report.render(console, num_ops=8, compact=True)
+        profiles[mode] = report
+
+    # 2. One lever at a time.
+    console.rule("2. one lever at a time")
+    rows: list[LeverRow] = []
+    hw = make_config(model, workload="throughput", num_requests=sizes.hardware_requests, input_len=sizes.input_len,
+                     output_len=sizes.output_len, **baseline_engine)
+    # Dense-weight runs first: packing rewrites the shared model's projections in place.
+    kernel = _with_engine(hw, decode_attention="kernel")
+    rows.append(runner.row("2 hardware", "decode attention: gather + SDPA -> paged C++ kernel", "output tok/s",
+                           ("output_tok_s",), hw, kernel, True, "decode attention"))
+    packed = _with_engine(kernel, weight_layout="packed")
+    rows.append(runner.row("2 hardware", "weight layout: dense -> oneDNN-packed", "output tok/s", ("output_tok_s",),
+                           kernel, packed, True, "weight layout"))
+    rows.append(LeverRow("2 hardware", "operator fusion passes", "", status="issue 7: not landed yet "
+                         "(fused QKV and gate-up projections are always on)"))
+    rows.append(LeverRow("3 quantization", "INT8 weights and activations", "", status="issue 6: not landed yet"))
+    rows.append(LeverRow("1 structure", "pruning, distillation", "", status="issue 9: not landed yet"))
+    one_at_a_time = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
+                                input_len=sizes.input_len, output_len=sizes.output_len, max_num_seqs=1,
+                                kv_cache_memory=KV_CACHE_BYTES)
+    batched = _with_engine(one_at_a_time, max_num_seqs=sizes.batching_requests)
+    rows.append(runner.row("4 scheduling", f"continuous batching: 1 -> {sizes.batching_requests} sequences per step",
+                           "output tok/s", ("output_tok_s",), one_at_a_time, batched, True, "continuous batching"))
+    no_cache = make_config(model, workload="shared-prefix", num_requests=sizes.prefix_requests, input_len=32,
+                           output_len=4, prefix_len=sizes.prefix_len, enable_prefix_caching=False,
+                           kv_cache_memory=KV_CACHE_BYTES)
+    cached = _with_engine(no_cache, enable_prefix_caching=True)
+    rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
+                           "mean TTFT (ms)", ("ttft_s", "mean"), no_cache, cached, False, "prefix cache"))
+    for r in rows:
+        if r.metric.endswith("(ms)") and r.before is not None:
+            r.before, r.after = r.before * 1e3, r.after * 1e3
+    if registry is not None:
+        registry.close()
+
+    # 3. The table and the plot.
+    console.rule("3. five levers")
+    render_table(rows, console)
+    plot = plot_levers(rows, out_dir / "demo.png")
+    console.print(f"plot: {plot}; runs stored in {registry_path or '(not stored)'}; "
+                  f"Chrome traces in {out_dir}/demo-trace-*.json")
+    summary = {
+        "model": model, "mode": "quick" if quick else "full",
+        "verdicts": {m: [{"lever": v.lever, "finding": v.finding, "stake": v.stake} for v in p.verdicts]
+                     for m, p in profiles.items()},
+        "rows": [{"lever": r.lever, "change": r.change, "metric": r.metric, "before": r.before, "after": r.after,
+                  "ratio": r.ratio, "accuracy": r.accuracy, "runs": r.runs, "status": r.status} for r in rows],
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+def render_table(rows: list[LeverRow], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="one lever at a time, each against the configuration without it")
+    for col in ("lever", "change", "metric", "before -> after", "ratio", "accuracy cost", "runs"):
+        table.add_column(col, justify="right" if col == "ratio" else "left")
+    for r in sorted(rows, key=lambda r: r.lever):
+        if r.status != "measured":
+            table.add_row(r.lever, r.change, "", r.status, "", "", "")
+            continue
+        table.add_row(r.lever, r.change, r.metric, f"{r.before:.1f} -> {r.after:.1f}", f"{r.ratio:.2f}x",
+                      r.accuracy, f"{r.runs[0]} -> {r.runs[1]}")
+    console.print(table)
+
+
+def plot_levers(rows: list[LeverRow], out: Path) -> Path:
+    from fivefold.bench.plots import _figure
+
+    measured = [r for r in sorted(rows, key=lambda r: r.lever) if r.ratio is not None]
+    plt, fig, axes = _figure(1, width=9.0)
+    ax = axes[0][0]
+    labels = [f"{r.lever}: {r.change}" for r in measured]
+    ax.barh(range(len(measured)), [r.ratio for r in measured], color="tab:blue")
+    ax.axvline(1.0, color="grey", linestyle="--")
+    ax.set_yticks(range(len(measured)), [label if len(label) < 60 else label[:57] + "..." for label in labels],
+                  fontsize=8)
+    ax.invert_yaxis()
+    for i, r in enumerate(measured):
+        ax.text(r.ratio, i, f" {r.ratio:.2f}x", va="center", fontsize=8)
+    ax.set(xlabel="speed-up over the configuration without the lever (x)", title="fivefold demo: one lever at a time")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+

@@ -1,0 +1,105 @@
+"""``fivefold bench offline``: the engine in-process on a fixed workload, stored as a run.
+
+Workloads (prompts cut from pydoc_data's held-out part, fixed seed):
+  throughput     ``num_requests`` prompts of ``input_len`` tokens, ``output_len`` tokens
+                 each (EOS ignored), all submitted at once;
+  shared-prefix  ``num_requests`` prompts made of one ``prefix_len``-token prefix and
+                 ``input_len`` tokens of their own, submitted one after another (each
+                 finishes before the next arrives, as turns of chats sharing a system
+                 prompt do).
+
+The configuration (workload and every engine option) is the whole recipe: a run
+re-created from it (``fivefold runs rollback ID`` then ``fivefold bench --recipe``)
+runs the same thing. Metrics: output and total tokens/s, TTFT and end-to-end
+latency statistics, prompt tokens actually computed, and the greedy output tokens
+(``samples``) so that two runs can be compared for accuracy, not only speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fivefold.errors import FivefoldError
+
+WORKLOADS = ("throughput", "shared-prefix")
+
+
+def bench_name(workload: str) -> str:
+    return f"offline {workload}"
+
+
+def make_config(model: str, dtype: str = "float32", workload: str = "throughput", num_requests: int = 16,
+                input_len: int = 64, output_len: int = 32, prefix_len: int = 0, seed: int = 0,
+                **engine_options) -> dict[str, Any]:
+    """A complete, validated run configuration (every engine option spelled out)."""
+    from fivefold.engine.config import EngineConfig
+
+    if workload not in WORKLOADS:
+        raise FivefoldError(f"workload must be one of {', '.join(WORKLOADS)}, got '{workload}'")
+    if min(num_requests, input_len, output_len) < 1 or prefix_len < 0:
+        raise FivefoldError("num_requests, input_len and output_len must be >= 1, prefix_len >= 0")
+    return {"model": model, "dtype": dtype, "workload": workload, "num_requests": num_requests,
+            "input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "seed": seed,
+            "engine": asdict(EngineConfig(**engine_options))}
+
+
+def _prompts(tokenizer, config: dict) -> list[list[int]]:
+    from fivefold.data import corpus_ids, corpus_prompts
+
+    ids = corpus_ids(tokenizer, "heldout")
+    own = corpus_prompts(ids, config["num_requests"], config["input_len"], seed=config["seed"])
+    prefix = ids[: config["prefix_len"]]
+    return [prefix + p for p in own]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2],
+            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+
+
+def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[str, Any]:
+    """Run the workload of ``config``; return its metrics. ``loaded`` reuses a loaded model."""
+    from fivefold.llm import LLM
+    from fivefold.models import load_model
+    from fivefold.sampling_params import SamplingParams
+
+    loaded = loaded or load_model(config["model"], config["dtype"])
+    llm = LLM(loaded, **config["engine"])
+    prompts = _prompts(llm.tokenizer, config)
+    params = SamplingParams(temperature=0, max_tokens=config["output_len"], ignore_eos=True)
+    start = time.perf_counter()
+    if config["workload"] == "throughput":
+        outputs = llm.generate(prompts, params, show_progress=show_progress)
+    else:
+        outputs = []
+        for prompt in prompts:
+            outputs += llm.generate([prompt], params)
+    elapsed = time.perf_counter() - start
+    stats = llm.engine.stats()
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_prompt = sum(len(p) for p in prompts)
+    return {
+        "duration_s": elapsed,
+        "output_tok_s": num_out / elapsed,
+        "total_tok_s": (num_out + num_prompt) / elapsed,
+        "ttft_s": _stats([o.metrics.ttft for o in outputs]),
+        "e2e_s": _stats([o.metrics.finished_time - o.metrics.arrival_time for o in outputs]),
+        "num_prompt_tokens": num_prompt,
+        "num_computed_prompt_tokens": num_prompt - sum(o.num_cached_tokens for o in outputs),
+        "num_preemptions": stats["num_preemptions"],
+        "samples": {"e2e_s": [o.metrics.finished_time - o.metrics.arrival_time for o in outputs],
+                    "ttft_s": [o.metrics.ttft for o in outputs],
+                    "output_token_ids": [o.outputs[0].token_ids for o in outputs]},
+    }
+
+
+def token_agreement(a: dict, b: dict) -> float:
+    """Share of output tokens that two runs of the same workload agree on, position by position."""
+    pairs = list(zip(a["samples"]["output_token_ids"], b["samples"]["output_token_ids"]))
+    total = sum(max(len(x), len(y)) for x, y in pairs)
+    same = sum(sum(1 for p, q in zip(x, y) if p == q) for x, y in pairs)
+    return same / total if total else 1.0

@@ -1,0 +1,82 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.bench.demo import DemoSizes, run_demo
+from fivefold.bench.registry import RunRegistry
+from tests.conftest import save_random_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    save_random_hf_model("llama", path)
+    return str(path)
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fivefold", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def test_bench_offline_rollback_and_recipe_recreate_the_same_run(tiny_model, tmp_path):
+    db = str(tmp_path / "runs.db")
+    first = _cli("bench", "offline", "--model", tiny_model, "--num-requests", "3", "--input-len", "8",
+                 "--output-len", "5", "--max-num-seqs", "2", "--registry", db, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    line = json.loads(first.stdout.strip().splitlines()[-1])
+    assert line["benchmark"] == "offline throughput" and line["output_tok_s"] > 0
+    assert "set as the baseline" in first.stdout
+    assert _cli("runs", "--registry", db, "rollback", "1", "--out", "recipe.json", cwd=tmp_path).returncode == 0
+    again = _cli("bench", "--recipe", "recipe.json", "--registry", db, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "against the baseline (run 1)" in again.stdout and "variables changed" not in again.stdout
+    registry = RunRegistry(db)
+    a, b = registry.get(1), registry.get(2)
+    assert a.config == b.config and registry.compare(1, 2).config_diff == {}
+    assert a.config["engine"]["max_num_seqs"] == 2 and a.model_fingerprint and a.model_fingerprint == b.model_fingerprint
+    # Same configuration, greedy: the same tokens.
+    assert a.metrics["samples"]["output_token_ids"] == b.metrics["samples"]["output_token_ids"]
+    registry.close()
+    plot = _cli("runs", "--registry", db, "plot", "--out", "runs.png", cwd=tmp_path)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_recipes_get_one_line_errors(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "odd.json").write_text(json.dumps({"benchmark": "nope", "config": {}}))
+    for name, message in (("missing.json", "does not exist"), ("bad.json", "not valid JSON"),
+                          ("odd.json", "is not one fivefold can re-run")):
+        proc = _cli("bench", "--recipe", name, "--registry", "", cwd=tmp_path)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and message in proc.stderr
+        assert "Traceback" not in proc.stderr
+    empty = _cli("runs", "--registry", str(tmp_path / "empty.db"), "plot", cwd=tmp_path)
+    assert empty.returncode == 1 and "none of these runs" in empty.stderr
+
+
+def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_path):
+    from rich.console import Console
+
+    sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
+                      output_len=6, profile_seq=24)
+    console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
+    summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
+                       sizes=sizes)
+    measured = [r for r in summary["rows"] if r["status"] == "measured"]
+    assert {r["lever"] for r in measured} == {"2 hardware", "4 scheduling", "5 caching"}
+    assert all(r["ratio"] > 0 and r["accuracy"] for r in measured)
+    # Performance levers do not change greedy tokens.
+    assert all(r["accuracy"] == "none: greedy tokens identical" for r in measured)
+    assert {r["status"] for r in summary["rows"]} - {"measured"}  # the levers not landed are said so
+    assert set(summary["verdicts"]) == {"decode", "prefill"} and all(summary["verdicts"].values())
+    registry = RunRegistry(tmp_path / "runs.db")
+    for r in measured:
+        assert registry.compare(*r["runs"]).num_changed_variables == 1
+    caching = next(r for r in measured if r["lever"] == "5 caching")
+    no_cache, cache = (registry.get(i).metrics for i in caching["runs"])
+    assert cache["num_computed_prompt_tokens"] < no_cache["num_computed_prompt_tokens"] == no_cache["num_prompt_tokens"]
+    registry.close()
+    assert (tmp_path / "demo.png").exists() and (tmp_path / "demo-trace-decode.json").exists()
