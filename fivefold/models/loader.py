@@ -132,6 +132,12 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> Loade
     else:
         config = read_hf_config(location)
         tokenizer = load_hf_tokenizer(location, config.eos_token_ids)
+        from fivefold.quant.serialization import load_quantized_model, quantization_config
+
+        qconfig = quantization_config(location)
+        if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
+            model = load_quantized_model(location, config, torch_dtype, qconfig)
+            return LoadedModel(model, tokenizer, config, location, fmt, name_or_path)
         weights = hf_tensors(location)
     with torch.inference_mode():
         model = build_model(config, weights, torch_dtype)

@@ -16,7 +16,7 @@ CATEGORIES = ("matmul", "attention", "norm", "activation", "elementwise", "copy/
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_linear_pointwise", "_int_mm",
            "_weight_int8pack_mm", "addmv", "mv", "dot", "einsum", "conv1d", "conv2d", "convolution", "_convolution",
-           "mkldnn_convolution", "int8_linear", "int8_mm"}
+           "mkldnn_convolution", "int8_weight_linear", "linear_dynamic", "qlinear_pointwise"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_attention_math", "paged_decode_attention", "tiled_attention", "softmax", "_softmax"}
 _NORM = {"rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
@@ -96,11 +96,11 @@ def op_cost(name: str, shapes: list[list[int]], elem_bytes: int) -> OpCost | Non
             a, b = (s[0], s[1]) if op == "bmm" else (s[1], s[2])
             (bt, m, k), n = a, b[2]
             return OpCost(2 * bt * m * n * k, elem_bytes * bt * (m * k + k * n + m * n))
-        if op in ("_linear_pointwise", "linear", "_weight_int8pack_mm", "int8_linear"):
+        if op in ("_linear_pointwise", "linear", "_weight_int8pack_mm", "int8_weight_linear"):
             x, w = s[0], s[1]
             k, m = x[-1], _numel(x[:-1])
             n = w[0] if w[1] == k else w[1]
-            w_bytes = 1 if op in ("_weight_int8pack_mm", "int8_linear") else elem_bytes
+            w_bytes = 1 if op in ("_weight_int8pack_mm", "int8_weight_linear") else elem_bytes
             return OpCost(2 * m * n * k, elem_bytes * (m * k + m * n) + w_bytes * n * k)
         if op == "_scaled_dot_product_flash_attention_for_cpu" or op == "scaled_dot_product_attention":
             (b, h, lq, d), (_, hk, lk, _) = s[0], s[1]

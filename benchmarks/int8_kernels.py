@@ -1,0 +1,86 @@
+"""Which int8 kernel to run, measured on this machine: every candidate on SmolLM2's
+projection shapes at decode batch 1 and 32 (and a prefill chunk of 128), against the
+float32 oneDNN-packed linear we serve with. Times include quantizing the activations
+where a scheme needs it (that is part of the cost).
+
+Candidates:
+  fp32-packed        mkldnn._linear_pointwise on reordered float32 weights (the baseline)
+  w8a16-int8pack     aten._weight_int8pack_mm: int8 weights, per-channel scales, float activations
+  w8a16-fivefold     our C++ kernel (fivefold/kernels/int8_linear.cpp): int8 weights, float activations
+  w8a8-int_mm        per-token dynamic int8 activations, torch._int_mm (int32 accumulation), rescale
+  w8a8-onednn        onednn.qlinear_pointwise (u8 activations, per-tensor scale/zero point, VNNI)
+  w8a8-fbgemm        quantized.linear_dynamic (fbgemm, per-tensor dynamic activations)
+
+    .venv/bin/python benchmarks/int8_kernels.py [--repeats 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fivefold.quant import kernels  # noqa: E402
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+
+
+def bench(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--batches", default="1,32,128")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = []
+    for m in map(int, args.batches.split(",")):
+        for name, (k, n) in SHAPES.items():
+            w = torch.randn(n, k) * 0.05
+            x = torch.randn(m, k)
+            ref = x @ w.T
+            for cand, fn in kernels.candidates(w, x).items():
+                if fn is None:
+                    continue
+                out = fn()
+                err = float((out - ref).norm() / ref.norm())
+                results.append({"m": m, "shape": name, "k": k, "n": n, "kernel": cand,
+                                "us": bench(fn, args.repeats) * 1e6, "rel_err": err})
+    table = Table(title="int8 kernels vs float32 packed (time per call; ratio = fp32 time / kernel time)")
+    for col in ("M", "shape", "kernel", "us", "ratio", "rel. error"):
+        table.add_column(col, justify="right")
+    base = {(r["m"], r["shape"]): r["us"] for r in results if r["kernel"] == "fp32-packed"}
+    for r in results:
+        r["speedup"] = base[(r["m"], r["shape"])] / r["us"]
+        table.add_row(str(r["m"]), r["shape"], r["kernel"], f"{r['us']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['rel_err']:.4f}")
+    Console(width=120).print(table)
+    totals = {}
+    for r in results:
+        totals.setdefault((r["m"], r["kernel"]), 0.0)
+        totals[(r["m"], r["kernel"])] += r["us"]
+    summary = {f"M={m} {kern}": round(base_total / t, 3) for (m, kern), t in totals.items()
+               for base_total in [totals[(m, "fp32-packed")]]}
+    Console(width=120).print("sum over the five shapes, speed-up vs fp32-packed:", summary)
+    print(json.dumps({"benchmark": "int8_kernels", "threads": torch.get_num_threads(), "results": results,
+                      "summary": summary}))
+
+
+if __name__ == "__main__":
+    main()

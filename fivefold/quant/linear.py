@@ -1,0 +1,192 @@
+"""``Int8Linear``: the module that replaces ``nn.Linear`` and multiplies in int8.
+
+Kernel per scheme, chosen by ``benchmarks/int8_kernels.py`` on this machine (2 cores,
+AVX-512 VNNI; sums over SmolLM2's projection shapes, speed-up against the float32
+oneDNN-packed linear):
+
+| scheme, activations | kernel | 1 row | 8 rows | 32 rows |
+|---|---|---|---|---|
+| W8A16 | ours (``fivefold::int8_weight_linear``) up to 64 rows | 3.8x | 1.2x | 0.5x |
+| W8A16 | ``aten._weight_int8pack_mm`` (not used) | 0.31x | 0.05x | 0.03x |
+| W8A8 dynamic per-tensor | fbgemm ``quantized.linear_dynamic`` | 8.7x | 4.8x | 2.9x |
+| W8A8 dynamic per-token | ``torch._int_mm`` + rescale | 2.4x | 1.8x | 1.9x |
+| W8A8 static per-tensor | oneDNN ``qlinear_pointwise`` (u8 x s8) | 4.5x | 3.3x | 3.1x |
+
+In the engine W8A16 decode at batch 8/32 runs 225/267 tok/s with our kernel against
+67/179 with dequantized tiles (the kernel reads each int8 weight row from memory once
+and reuses it from L1 for every activation row). W8A16 beyond 64 rows (prefill) multiplies float activations by weights dequantized a
+tile of 4096 output channels at a time: the weights stay int8 in memory, and the GEMM
+stays a float GEMM. Every int8 product accumulates in int32 inside the kernel.
+Activations are clipped to the calibrated range before they are quantized (static
+scales saturate by construction; dynamic ones clip when a range was calibrated).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from fivefold.quant.config import Int8Config
+from fivefold.quant.kernels import onednn_prepack, per_token_quantize, w8a8_int_mm, w8a8_onednn
+from fivefold.quant.primitives import activation_qparams, quantize_weight
+
+SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
+DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 batches
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The float weight of an nn.Linear or a PackedLinear."""
+    return linear.weight.detach().float()
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights [N, K] and a float32 scale per output channel.
+
+    Buffers (the state dict): ``weight`` int8, ``weight_scale``, ``bias`` (float32 or
+    absent), ``input_scale`` and ``input_zero_point`` (static activations), ``input_clip``
+    (lo, hi; infinite when no range was calibrated). Kernel-specific packed forms are
+    derived on first use and never saved.
+    """
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Config) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.activation = config.scheme, config.activation
+        self.activation_granularity = config.activation_granularity
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features))
+        self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
+        self.register_buffer("input_scale", torch.tensor(1.0))
+        self.register_buffer("input_zero_point", torch.tensor(0, dtype=torch.int32))
+        self.register_buffer("input_clip", torch.tensor([-math.inf, math.inf]))
+        self._prepared: dict | None = None
+
+    @classmethod
+    def from_float(cls, linear: nn.Module, config: Int8Config, clip_range: tuple[float, float] | None = None,
+                   bias_shift: torch.Tensor | None = None) -> "Int8Linear":
+        w = dense_weight(linear)
+        bias = getattr(linear, "bias", None)
+        has_bias = bias is not None or bias_shift is not None
+        module = cls(w.shape[1], w.shape[0], has_bias, config)
+        q, scales = quantize_weight(w, per_channel=config.weight_granularity == "per-channel")
+        module.weight.copy_(q)
+        module.weight_scale.copy_(scales)
+        if has_bias:
+            b = bias.detach().float() if bias is not None else torch.zeros(w.shape[0])
+            module.bias.copy_(b + (bias_shift if bias_shift is not None else 0.0))
+        if clip_range is not None:
+            module.input_clip.copy_(torch.tensor(clip_range, dtype=torch.float32))
+            if config.is_static:
+                scale, zero_point = activation_qparams(*clip_range, config.activation_symmetric)
+                module.input_scale.fill_(scale)
+                module.input_zero_point.fill_(zero_point)
+        elif config.is_static:
+            raise ValueError("static activations need a calibrated range")
+        return module
+
+    @property
+    def is_clipped(self) -> bool:
+        return bool(torch.isfinite(self.input_clip).all())
+
+    def _prepare(self) -> dict:
+        """Derived once per weight load: packed kernel operands and Python-side constants (reading a
+        tensor's value on every call, e.g. ``isfinite(clip).all()``, costs more than the int8 GEMM)."""
+        if self._prepared is None:
+            p: dict = {"clip": tuple(self.input_clip.tolist()) if self.is_clipped else None,
+                       "scale": float(self.input_scale), "zp": int(self.input_zero_point) + 128}  # int8 -> u8 codes
+            if self.scheme == "w8a8" and self.activation == "static":
+                p["onednn"] = onednn_prepack(self.weight)
+                p["w_zp"] = torch.zeros(self.out_features, dtype=torch.int64)
+            elif self.scheme == "w8a8" and self.activation_granularity == "per-tensor":
+                with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's linear is not replaced yet
+                    warnings.simplefilter("ignore")
+                    qw = torch._make_per_channel_quantized_tensor(self.weight, self.weight_scale.double(),
+                                                                  torch.zeros(self.out_features, dtype=torch.int64), 0)
+                    p["fbgemm"] = torch.ops.quantized.linear_prepack(qw, self.bias)
+            elif self.scheme == "w8a8":
+                p["w_t"] = self.weight.t().contiguous()  # [K, N] for torch._int_mm
+            self._prepared = p
+        return self._prepared
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._prepared = None  # new weights: re-derive the packed forms
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self._prepare()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        if p["clip"] is not None and not (self.scheme == "w8a8" and self.activation == "static"):
+            x2 = torch.clamp(x2, *p["clip"])  # dynamic clipping
+        y = self._matmul(x2, p)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor, p: dict) -> torch.Tensor:
+        if self.scheme == "w8a16":
+            return self._w8a16(x)
+        if self.activation == "static":
+            scale, zp = p["scale"], p["zp"]
+            xq = torch.clamp(torch.round(x / scale) + zp, 0, 255).to(torch.uint8)
+            return w8a8_onednn(xq, scale, zp, p["onednn"], self.weight_scale, p["w_zp"], self.bias)
+        if self.activation_granularity == "per-tensor":
+            return torch.ops.quantized.linear_dynamic(x, p["fbgemm"])
+        xq, xs = per_token_quantize(x)
+        y = w8a8_int_mm(xq, xs, p["w_t"], self.weight_scale)
+        return y + self.bias if self.bias is not None else y
+
+    def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
+        from fivefold.kernels import int8_ops
+
+        ops = int8_ops() if x.shape[0] <= SMALL_BATCH else None
+        if ops is not None:
+            return ops.int8_weight_linear(x, self.weight, self.weight_scale, self.bias)
+        out = torch.empty(x.shape[0], self.out_features)
+        for n0 in range(0, self.out_features, DEQUANT_TILE):
+            w = self.weight[n0:n0 + DEQUANT_TILE].float() * self.weight_scale[n0:n0 + DEQUANT_TILE, None]
+            out[:, n0:n0 + DEQUANT_TILE] = x @ w.t()
+        return out + self.bias if self.bias is not None else out
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def extra_repr(self) -> str:
+        act = "" if self.scheme == "w8a16" else f", activation={self.activation} {self.activation_granularity}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{act}, "
+                f"bias={self.bias is not None}, clipped={self.is_clipped}")
+
+
+
+class _ConvAsLinear:
+    """A Conv2d seen as the linear layer it is over unfolded patches: weight [O, C*kh*kw]."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        self.weight = conv.weight.detach().reshape(conv.out_channels, -1)
+        self.bias = conv.bias
+
+
+class Int8Conv2d(nn.Module):
+    """Conv2d (groups=1) as im2col + :class:`Int8Linear`: the same int8 kernels, over patches."""
+
+    def __init__(self, conv: nn.Conv2d, linear: Int8Linear) -> None:
+        super().__init__()
+        self.kernel_size, self.stride = conv.kernel_size, conv.stride
+        self.padding, self.dilation = conv.padding, conv.dilation
+        self.out_channels = conv.out_channels
+        self.linear = linear
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, config: Int8Config, clip_range=None, bias_shift=None) -> "Int8Conv2d":
+        if conv.groups != 1 or conv.padding_mode != "zeros":
+            raise ValueError("Int8Conv2d supports groups=1 and zero padding only")
+        return cls(conv, Int8Linear.from_float(_ConvAsLinear(conv), config, clip_range, bias_shift))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        cols = torch.nn.functional.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # [B, CK, L]
+        out = self.linear(cols.transpose(1, 2))  # [B, L, O]
+        oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kernel_size[1] - 1) - 1) // self.stride[1] + 1
+        return out.transpose(1, 2).reshape(b, self.out_channels, oh, ow)

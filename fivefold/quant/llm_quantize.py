@@ -1,0 +1,159 @@
+"""``fivefold quantize``: quantize an LLM, measure it against float, write it.
+
+Held-out perplexity (pydoc_data's held-out part, ``num_eval`` windows of ``window``
+tokens), next-token accuracy on the same windows, and decode tokens/s at batch 1 and
+32 on the serving engine, float and int8 in the same run. With ``mixed_precision``
+the sensitivity scan ranks layers on a small held-out sample, the number of layers
+kept float is decided on other held-out windows, and the report uses a third set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fivefold.quant.config import Int8Config
+from fivefold.quant.evaluate import language_metrics, llm_forward, next_token_accuracy, perplexity, text_windows
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    model: str
+    config: Int8Config
+    out: str
+    mixed_precision: bool = False
+    max_ppl_increase: float | None = None  # fraction, 0.005 = +0.5%
+    max_accuracy_drop: float | None = None  # percentage points of next-token accuracy
+    num_calibration: int = 16
+    num_eval: int = 8
+    window: int = 256
+    speed_batches: tuple[int, ...] = (1, 32)
+    speed_tokens: int = 48
+
+
+def decode_speed(loaded, batch: int, num_tokens: int) -> float:
+    """Decode tokens/s of ``batch`` concurrent 64-token prompts on the serving engine."""
+    from fivefold.bench.offline_bench import make_config, run_offline
+
+    config = make_config(loaded.name, workload="throughput", num_requests=batch, input_len=64,
+                         output_len=num_tokens, max_num_seqs=batch, kv_cache_memory=float(512 << 20))
+    run_offline(make_config(loaded.name, workload="throughput", num_requests=1, input_len=16, output_len=4),
+                loaded, show_progress=False)  # warm-up: kernels loaded, weights packed
+    return run_offline(config, loaded, show_progress=False)["decode_tok_s"]
+
+
+def evaluate(loaded, eval_windows, job: QuantizeJob) -> dict[str, Any]:
+    ppl, acc = language_metrics(loaded.model, eval_windows)
+    return {"perplexity": ppl, "next_token_accuracy": acc,
+            **{f"decode_tok_s_batch{b}": decode_speed(loaded, b, job.speed_tokens) for b in job.speed_batches}}
+
+
+def build_quantized(job: QuantizeJob, console=None):
+    """Load ``job.model`` and quantize it (with the sensitivity scan and mixed precision if asked).
+
+    Returns (loaded model, int8 module names, names kept float, sensitivity scan or None)."""
+    from fivefold.models import load_model
+    from fivefold.quant.quantize import calibrate, quantize_, target_linears
+    from fivefold.quant.sensitivity import mixed_precision, save_scan, sensitivity_scan
+
+    loaded = load_model(job.model)
+    tok = loaded.tokenizer
+    config = job.config
+    needs_data = config.is_static or config.bias_correction or config.scheme == "w8a8"
+    data = text_windows(tok, "calibration", job.num_calibration, job.window) if needs_data else None
+    if not job.mixed_precision:
+        return loaded, quantize_(loaded.model, config, data, llm_forward).quantized, [], None
+    # Rank layers on a small held-out sample (one evaluation per layer), decide how many
+    # to keep float on a large one (a few evaluations), report on yet other windows.
+    float_model = load_model(job.model).model
+    scan_windows = text_windows(tok, "heldout", 2, 128, seed=1)
+    decide_windows = text_windows(tok, "heldout", job.num_eval, job.window, seed=2)
+    use_accuracy = job.max_accuracy_drop is not None
+
+    def metric_on(windows):
+        if use_accuracy:
+            return lambda m: 100.0 - next_token_accuracy(m, windows)  # error rate, lower is better
+        return lambda m: perplexity(m, windows)
+
+    ranges = (calibrate(float_model, target_linears(float_model, config.skip), config, data, llm_forward)
+              if data else None)
+    base, scan = sensitivity_scan(float_model, config, metric_on(scan_windows), ranges=ranges)
+    save_scan(Path(job.out) / "sensitivity.json", config, base, scan)
+    decide = metric_on(decide_windows)
+    decide_base = decide(float_model)
+    if use_accuracy:
+        acceptable = lambda v: v <= decide_base + job.max_accuracy_drop  # noqa: E731
+    else:
+        budget = job.max_ppl_increase if job.max_ppl_increase is not None else 0.005
+        acceptable = lambda v: v <= decide_base * (1 + budget)  # noqa: E731
+    model, kept, _ = mixed_precision(lambda: load_model(job.model).model, config, scan, acceptable, decide,
+                                     data, llm_forward, ranges=ranges)
+    loaded.model = model
+    modules = [n for n, m in model.named_modules() if type(m).__name__ == "Int8Linear"]
+    return loaded, modules, kept, scan
+
+
+def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
+    """Float baseline, quantize (optionally mixed precision), int8 measurements, save; return the report."""
+    from rich.console import Console
+
+    from fivefold.models import load_model
+    from fivefold.quant.serialization import save_quantized
+
+    console = console or Console(width=130)
+    out = Path(job.out)
+    float_loaded = load_model(job.model)
+    eval_windows = text_windows(float_loaded.tokenizer, "heldout", job.num_eval, job.window, seed=0)
+    console.print(f"float baseline: {job.num_eval} held-out windows of {job.window} tokens ...")
+    baseline = evaluate(float_loaded, eval_windows, job)
+    del float_loaded
+    start = time.perf_counter()
+    loaded, modules, kept, scan = build_quantized(job, console)
+    quantize_s = time.perf_counter() - start
+    config = job.config
+    save_quantized(loaded, config, modules, out, extra={"kept_float": kept})
+    reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
+    quantized = evaluate(reloaded, eval_windows, job)
+    report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
+              "num_int8_modules": len(modules), "kept_float": kept, "quantize_s": quantize_s,
+              "float": baseline, "int8": quantized,
+              "perplexity_increase": quantized["perplexity"] / baseline["perplexity"] - 1,
+              **{f"speedup_batch{b}": quantized[f"decode_tok_s_batch{b}"] / baseline[f"decode_tok_s_batch{b}"]
+                 for b in job.speed_batches}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    render(report, scan, console)
+    print(json.dumps({"benchmark": "quantize", **report}))
+    return report
+
+
+def render(report: dict, scan, console) -> None:
+    from rich.table import Table
+
+    if scan:
+        t = Table(title="sensitivity: one layer quantized at a time (most sensitive first)")
+        for col in ("layer", "metric", "increase"):
+            t.add_column(col, justify="left" if col == "layer" else "right")
+        for s in scan[:15]:
+            t.add_row(s.name, f"{s.metric:.4f}", f"{s.increase:+.2%}")
+        console.print(t)
+        if report["kept_float"]:
+            console.print(f"mixed precision keeps {len(report['kept_float'])} layers in float: "
+                          f"{', '.join(report['kept_float'][:12])}{' ...' if len(report['kept_float']) > 12 else ''}")
+    t = Table(title=f"{report['model']}: float32 vs {report['label']} ({report['num_int8_modules']} int8 layers)")
+    for col in ("metric", "float32", "int8", "change"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    f, q = report["float"], report["int8"]
+    t.add_row("held-out perplexity", f"{f['perplexity']:.3f}", f"{q['perplexity']:.3f}",
+              f"{report['perplexity_increase']:+.2%}")
+    t.add_row("next-token accuracy (%)", f"{f['next_token_accuracy']:.2f}", f"{q['next_token_accuracy']:.2f}",
+              f"{q['next_token_accuracy'] - f['next_token_accuracy']:+.2f} pt")
+    for key in f:
+        if key.startswith("decode_tok_s_batch"):
+            b = key.removeprefix("decode_tok_s_batch")
+            t.add_row(f"decode tok/s, batch {b}", f"{f[key]:.1f}", f"{q[key]:.1f}", f"{q[key] / f[key]:.2f}x")
+    console.print(t)
+    console.print(f"written to {report['out']} (model.safetensors, config.json, report.json)")

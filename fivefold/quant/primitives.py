@@ -1,0 +1,78 @@
+"""Quantization arithmetic: scales, zero points, (fake) quantize, dequantize, SQNR.
+
+Conventions (those of torchao and TensorRT):
+- weights are symmetric int8 in [-127, 127] (no -128, so that negation is exact and
+  the range is symmetric), one scale per output channel or one per tensor;
+- activations are int8 in [-128, 127], symmetric (zero point 0) or asymmetric
+  (``q = round(x / scale) + zero_point``, the zero point chosen so 0.0 is exact);
+- ``x ≈ (q - zero_point) * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WEIGHT_QMAX = 127
+ACT_QMIN, ACT_QMAX = -128, 127
+_EPS = 1e-12
+
+
+def weight_scales(w: torch.Tensor, per_channel: bool = True, absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric scales for a [N, K] weight: one per output row (per-channel) or one shared ([N] either way).
+
+    ``absmax`` (e.g. a clipped range) overrides the weight's own maximum."""
+    if absmax is None:
+        absmax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
+    return (absmax.float().clamp(min=_EPS) / WEIGHT_QMAX).contiguous()
+
+
+def quantize_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N]): round to nearest, symmetric."""
+    scales = weight_scales(w, per_channel)
+    q = torch.clamp(torch.round(w.float() / scales[:, None]), -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+    return q.contiguous(), scales
+
+
+def dequantize_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales[:, None]
+
+
+def activation_qparams(lo: float, hi: float, symmetric: bool) -> tuple[float, int]:
+    """(scale, zero_point) mapping the clip range [lo, hi] onto int8."""
+    if symmetric:
+        return max(abs(lo), abs(hi), _EPS) / ACT_QMAX, 0
+    lo, hi = min(lo, 0.0), max(hi, 0.0)  # 0.0 must be representable exactly
+    scale = max(hi - lo, _EPS) / (ACT_QMAX - ACT_QMIN)
+    zero_point = int(round(ACT_QMIN - lo / scale))
+    return scale, max(ACT_QMIN, min(ACT_QMAX, zero_point))
+
+
+def quantize_activation(x: torch.Tensor, scale, zero_point) -> torch.Tensor:
+    """int8 codes of ``x``; values outside the range saturate (this is the clipping)."""
+    return torch.clamp(torch.round(x / scale) + zero_point, ACT_QMIN, ACT_QMAX).to(torch.int8)
+
+
+def dequantize_activation(q: torch.Tensor, scale, zero_point) -> torch.Tensor:
+    return (q.float() - zero_point) * scale
+
+
+def fake_quantize(x: torch.Tensor, scale, zero_point, qmin: int, qmax: int) -> torch.Tensor:
+    """Quantize-dequantize with a straight-through estimator.
+
+    Forward: the value int8 arithmetic would see. Backward: gradient 1 inside the
+    representable range and 0 outside it (the clipped STE), so training learns to stay
+    in range rather than being pushed by values that saturate.
+    """
+    lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
+    clipped = torch.maximum(torch.minimum(x, torch.as_tensor(hi, dtype=x.dtype)), torch.as_tensor(lo, dtype=x.dtype))
+    q = (torch.clamp(torch.round(clipped / scale) + zero_point, qmin, qmax) - zero_point) * scale
+    return clipped + (q - clipped).detach()
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2)."""
+    ref = reference.double()
+    noise = (ref - approximation.double()).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))
