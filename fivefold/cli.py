@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--granularity", default="per-channel", choices=["per-channel", "per-tensor"],
                     help="weight scales")
     qz.add_argument("--bias-correction", action="store_true")
+    qz.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                    help="W8A8: migrate activation outliers into the weights first (SmoothQuant, e.g. 0.7)")
     qz.add_argument("--mixed-precision", action="store_true", help="keep the most sensitive layers float")
     qz.add_argument("--max-ppl-increase", default="0.5%", help="mixed-precision budget, e.g. 0.5%% (default)")
     qz.add_argument("--max-accuracy-drop", type=float, default=None,
@@ -384,7 +386,8 @@ def cmd_quantize(args) -> int:
     config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
                         activation_granularity=args.activation_granularity,
                         activation_symmetric=not args.asymmetric, calibration=args.calib,
-                        percentile=args.percentile, bias_correction=args.bias_correction, skip=tuple(args.skip))
+                        percentile=args.percentile, bias_correction=args.bias_correction,
+                        smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
     job = QuantizeJob(args.model, config, args.out, args.mixed_precision,
                       _fraction(args.max_ppl_increase, "--max-ppl-increase"), args.max_accuracy_drop,
                       args.num_calibration, args.num_eval, args.window)

@@ -71,8 +71,7 @@ def prepared_model(config: dict, loaded=None):
         from fivefold.quant.quantize import quantize_
 
         qconfig = Int8Config.from_dict(wanted)
-        needs_data = qconfig.is_static or qconfig.bias_correction or qconfig.scheme == "w8a8"
-        data = text_windows(loaded.tokenizer, "calibration", 16, 256) if needs_data else None
+        data = text_windows(loaded.tokenizer, "calibration", 16, 256) if qconfig.uses_calibration else None
         quantize_(loaded.model, qconfig, data, llm_forward, show_progress=False)
         loaded.model.fivefold_quantization = wanted
     return loaded

@@ -28,6 +28,8 @@ class Int8Config:
         clipped to the calibrated range before quantizing (dynamic clipping), so a rare
         outlier cannot stretch the scale of a whole token.
     bias_correction: shift each layer's bias by the mean output error on calibration data.
+    smoothquant_alpha: when set (0 < a < 1, 0.5 typical), first migrate activation outliers
+        into the weights (SmoothQuant, Fivefold Llama-family models; needs calibration data).
     skip: module names (fnmatch patterns) left in float.
     """
 
@@ -39,6 +41,7 @@ class Int8Config:
     calibration: str = "minmax"
     percentile: float = 99.99
     bias_correction: bool = False
+    smoothquant_alpha: float | None = None
     skip: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -51,6 +54,8 @@ class Int8Config:
                 raise FivefoldError(f"{name} must be one of {', '.join(choices)}, got '{value}'")
         if not 0 < self.percentile <= 100:
             raise FivefoldError(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.smoothquant_alpha is not None and not 0 < self.smoothquant_alpha < 1:
+            raise FivefoldError(f"smoothquant_alpha must be in (0, 1), got {self.smoothquant_alpha}")
         if self.activation == "static" and self.activation_granularity == "per-token":
             object.__setattr__(self, "activation_granularity", "per-tensor")  # static scales are per tensor
         object.__setattr__(self, "skip", tuple(self.skip))
@@ -60,12 +65,19 @@ class Int8Config:
         return self.scheme == "w8a8" and self.activation == "static"
 
     @property
+    def uses_calibration(self) -> bool:
+        """Whether a calibration pass changes the result: static scales, bias correction,
+        SmoothQuant, or the clip ranges of dynamic W8A8 (W8A16 needs no data)."""
+        return self.scheme == "w8a8" or self.bias_correction or bool(self.smoothquant_alpha)
+
+    @property
     def label(self) -> str:
         if self.scheme == "w8a16":
             return f"W8A16 {self.weight_granularity}"
         act = (f"static {'sym' if self.activation_symmetric else 'asym'} {self.calibration}" if self.is_static
                else f"dynamic {self.activation_granularity}")
-        return f"W8A8 {self.weight_granularity} weights, {act}"
+        smooth = f", SmoothQuant a={self.smoothquant_alpha}" if self.smoothquant_alpha else ""
+        return f"W8A8 {self.weight_granularity} weights, {act}{smooth}"
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -132,8 +132,13 @@ def quantize_(model: nn.Module, config: Int8Config, calibration_data: Iterable[A
         targets = [(n, m) for n, m in targets if n in wanted]
     result = QuantizationResult(config)
     data = list(calibration_data) if calibration_data is not None else None
-    if (config.bias_correction or (config.is_static and ranges is None)) and not data:
+    if (config.bias_correction or config.smoothquant_alpha or (config.is_static and ranges is None)) and not data:
         raise ValueError(f"{config.label}{' with bias correction' if config.bias_correction else ''} needs calibration data")
+    if config.smoothquant_alpha and not getattr(model, "fivefold_smoothed", False):
+        from fivefold.quant.smoothquant import smooth_
+
+        smooth_(model, data, forward_fn, config.smoothquant_alpha)  # before calibration: ranges are of X / s
+        model.fivefold_smoothed = True
     if ranges is None:
         ranges = calibrate(model, targets, config, data, forward_fn, show_progress) if data else {}
     shifts = (measure_bias_shifts(model, targets, config, ranges, data, forward_fn, show_progress)

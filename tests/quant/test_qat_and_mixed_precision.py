@@ -76,3 +76,28 @@ def test_sensitivity_scan_ranks_the_layer_with_outliers_first_and_mixed_precisio
     mixed, kept, value = mixed_precision(make, config, scan, lambda v: v <= budget, metric)
     assert kept == ["1"] and value <= budget
     assert type(mixed[1]) is nn.Linear and isinstance(mixed[0], Int8Linear) and isinstance(mixed[2], Int8Linear)
+
+
+def test_smoothquant_keeps_float_outputs_and_evens_out_activation_outliers(tmp_path):
+    from fivefold.models import load_model
+    from fivefold.quant.evaluate import llm_forward, sequence_logits
+    from fivefold.quant.smoothquant import smooth_
+    from tests.conftest import save_random_hf_model
+
+    for arch in ("llama", "qwen2"):  # GQA; qwen2 adds qkv biases
+        save_random_hf_model(arch, tmp_path / arch)
+        model = load_model(str(tmp_path / arch)).model
+        with torch.inference_mode():
+            model.layers[0].input_layernorm.weight[3] = 40.0  # an outlier channel into qkv_proj
+        ids = list(range(5, 45))
+        before = sequence_logits(model, ids)
+        x_max = {}
+        hook = model.layers[0].self_attn.qkv_proj.register_forward_pre_hook(
+            lambda _m, a: x_max.__setitem__(len(x_max), a[0].abs().amax(0)))
+        sequence_logits(model, ids)
+        assert smooth_(model, [ids[:20], ids[20:]], llm_forward) == 4 * len(model.layers)
+        sequence_logits(model, ids)
+        hook.remove()
+        torch.testing.assert_close(sequence_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+        spread = [float(m.max() / m.median()) for m in x_max.values()]
+        assert spread[-1] < spread[0] / 4  # the outlier channel no longer dominates the input's range

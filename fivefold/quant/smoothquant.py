@@ -1,0 +1,90 @@
+"""SmoothQuant for Fivefold's Llama-family models: move activation outliers into the weights.
+
+LLM activations have a few input channels hundreds of times larger than the rest; a
+per-tensor int8 scale sized for them leaves the others a handful of levels. For each
+linear layer with input X and weight W, ``X W^T = (X / s)(W * s)^T`` for any per-channel
+s > 0; choosing ``s_j = max|X_j|^a / max|W_:,j|^(1-a)`` (a = 0.5) evens out both. The
+division is folded, exactly, into what produces X:
+
+- qkv_proj and gate_up_proj: into the RMSNorm weight before them;
+- o_proj: into the V rows of qkv_proj (attention output is linear in V per head; with
+  grouped KV heads the scale is shared by the query heads of a group);
+- down_proj: into the "up" rows of gate_up_proj (its input is silu(gate) * up).
+
+The LM head is left alone (its weight is tied to the embedding). Xiao et al., 2023.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from fivefold.errors import FivefoldError
+
+
+def _input_absmax(model, names: list[str], data, forward_fn) -> dict[str, torch.Tensor]:
+    maxima: dict[str, torch.Tensor] = defaultdict(lambda: None)
+
+    def hook(name, x):
+        m = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+        maxima[name] = m if maxima[name] is None else torch.maximum(maxima[name], m)
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda _m, a, n=n: hook(n, a[0])) for n in names]
+    try:
+        with torch.inference_mode():
+            for sample in data:
+                forward_fn(model, sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    return dict(maxima)
+
+
+def _scales(act_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    w_max = weight.abs().amax(dim=0).float().clamp(min=1e-5)
+    return (act_max.clamp(min=1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)
+
+
+@torch.inference_mode()  # the loaded weights are inference tensors
+def smooth_(model: nn.Module, calibration_data, forward_fn, alpha: float = 0.5) -> int:
+    """Rescale ``model`` (a Fivefold LlamaForCausalLM with plain nn.Linear layers) in place;
+    the float outputs are unchanged up to rounding. Returns the number of layers smoothed."""
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(model, "config"):
+        raise FivefoldError("SmoothQuant needs a Fivefold Llama-family model")
+    for name, m in model.named_modules():
+        if type(m).__name__ == "PackedLinear":
+            raise FivefoldError(f"SmoothQuant must run before weights are packed ({name} is packed)")
+    c = model.config
+    names = [f"layers.{i}.{p}" for i in range(len(layers))
+             for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    act = _input_absmax(model, names, list(calibration_data), forward_fn)
+    group = c.num_heads // c.num_kv_heads
+    for i, layer in enumerate(layers):
+        p = f"layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, linear, key in ((layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"),
+                                  (layer.post_attention_layernorm, mlp.gate_up_proj, "mlp.gate_up_proj")):
+            s = _scales(act[p + key], linear.weight, alpha)
+            norm.weight.div_(s.to(norm.weight.dtype))
+            linear.weight.mul_(s.to(linear.weight.dtype))
+        # o_proj's input channel (query head h, dim d) comes from V of KV head h // group.
+        o_act = act[p + "self_attn.o_proj"].reshape(c.num_kv_heads, group, c.head_dim).amax(dim=1)  # [KVH, D]
+        o_w = attn.o_proj.weight.reshape(-1, c.num_kv_heads, group, c.head_dim).abs().amax(dim=(0, 2))  # [KVH, D]
+        s_kv = (o_act.clamp(min=1e-5).pow(alpha) / o_w.float().clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+        v_rows = slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
+        attn.qkv_proj.weight[v_rows].div_(s_kv.reshape(-1, 1).to(attn.qkv_proj.weight.dtype))
+        if attn.qkv_proj.bias is not None:
+            attn.qkv_proj.bias[v_rows].div_(s_kv.reshape(-1).to(attn.qkv_proj.bias.dtype))
+        s_o = s_kv[:, None, :].expand(c.num_kv_heads, group, c.head_dim).reshape(-1)
+        attn.o_proj.weight.mul_(s_o.to(attn.o_proj.weight.dtype))
+        # down_proj's input is silu(gate) * up: scale the up half of gate_up.
+        s = _scales(act[p + "mlp.down_proj"], mlp.down_proj.weight, alpha)
+        inter = mlp.down_proj.weight.shape[1]
+        mlp.gate_up_proj.weight[inter:].div_(s.reshape(-1, 1).to(mlp.gate_up_proj.weight.dtype))
+        if mlp.gate_up_proj.bias is not None:
+            mlp.gate_up_proj.bias[inter:].div_(s.to(mlp.gate_up_proj.bias.dtype))
+        mlp.down_proj.weight.mul_(s.to(mlp.down_proj.weight.dtype))
+    return len(names)
