@@ -69,3 +69,42 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     assert bad.returncode == 2 and "invalid choice" in bad.stderr  # argparse's own one-line usage error
     budget = cli("quantize", "--model", tiny, "--max-ppl-increase", "lots", "--out", "x")
     assert budget.returncode == 1 and budget.stderr.strip() == "error: --max-ppl-increase takes a percentage such as 0.5%, got 'lots'"
+
+
+def test_fivefold_serve_runs_the_quantized_directory(tiny, tmp_path):
+    import socket
+    import time
+
+    import httpx
+
+    loaded = load_model(tiny)
+    config = Int8Config("w8a8", activation_granularity="per-tensor")
+    result = quantize_(loaded.model, config, text_windows(loaded.tokenizer, "calibration", 2, 32), llm_forward,
+                       show_progress=False)
+    out = save_quantized(loaded, config, result.quantized, tmp_path / "q")
+    prompt = [5, 17, 33, 90]
+    expected = LLM(load_model(str(out)), kv_cache_memory=8 << 20).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--model", str(out), "--port", str(port),
+                             "--kv-cache-memory", str(8 << 20)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, "server did not start"
+                time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", json={"model": str(out), "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected and r.json()["usage"]["completion_tokens"] == 6
+    finally:
+        proc.terminate()
+        proc.wait(30)
