@@ -110,6 +110,11 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     console = console or Console(width=130)
     out = Path(job.out)
     float_loaded = load_model(job.model)
+    if job.window > float_loaded.config.max_model_len:
+        from fivefold.errors import FivefoldError
+
+        raise FivefoldError(f"--window {job.window} is longer than the model's context "
+                            f"({float_loaded.config.max_model_len} tokens)")
     eval_windows = text_windows(float_loaded.tokenizer, "heldout", job.num_eval, job.window, seed=0)
     console.print(f"float baseline: {job.num_eval} held-out windows of {job.window} tokens ...")
     baseline = evaluate(float_loaded, eval_windows, job)

@@ -67,6 +67,8 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     assert gen.returncode == 0, gen.stderr[-2000:]
     bad = cli("quantize", "--model", tiny, "--scheme", "w4a4", "--out", "x")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr  # argparse's own one-line usage error
+    long = cli("quantize", "--model", tiny, "--window", "100000", "--out", "x")
+    assert long.returncode == 1 and "longer than the model's context (256 tokens)" in long.stderr
     budget = cli("quantize", "--model", tiny, "--max-ppl-increase", "lots", "--out", "x")
     assert budget.returncode == 1 and budget.stderr.strip() == "error: --max-ppl-increase takes a percentage such as 0.5%, got 'lots'"
 
