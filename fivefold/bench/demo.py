@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.bench.offline_bench import bench_name, make_config, prepared_model, run_offline, token_agreement
+from fivefold.bench.offline_bench import (
+    bench_name,
+    make_config,
+    prepared_model,
+    run_offline,
+    token_agreement,
+)
 from fivefold.bench.registry import RunRegistry, model_fingerprint
 from fivefold.quant.config import Int8Config
 
@@ -230,10 +236,10 @@ def render_table(rows: list[LeverRow], console) -> None:
 
 
 def plot_levers(rows: list[LeverRow], out: Path) -> Path:
-    from fivefold.bench.plots import _figure
+    from fivefold.bench.plots import figure
 
     measured = [r for r in sorted(rows, key=lambda r: r.lever) if r.ratio is not None]
-    plt, fig, axes = _figure(1, width=9.0)
+    plt, fig, axes = figure(1, width=9.0)
     ax = axes[0][0]
     labels = [f"{r.lever}: {r.change}" for r in measured]
     ax.barh(range(len(measured)), [r.ratio for r in measured], color="tab:blue")

@@ -17,11 +17,11 @@ latency statistics, prompt tokens actually computed, and the greedy output token
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict
 from typing import Any
 
+from fivefold.bench.report import latency_stats
 from fivefold.errors import FivefoldError
 
 WORKLOADS = ("throughput", "shared-prefix")
@@ -86,12 +86,6 @@ def _prompts(tokenizer, config: dict) -> list[list[int]]:
     return [prefix + p for p in own]
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2],
-            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
-
-
 def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[str, Any]:
     """Run the workload of ``config``; return its metrics. ``loaded`` reuses a loaded model."""
     from fivefold.llm import LLM
@@ -122,19 +116,20 @@ def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[s
     # Decode rate: tokens after each request's first, over the span from the first first-token
     # to the last finish (prefill excluded, the batch's decode steps included).
     decode_span = (max(o.metrics.finished_time for o in outputs) - min(o.metrics.first_token_time for o in outputs))
+    ttfts = [o.metrics.ttft for o in outputs]
+    e2es = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
     return {
         "duration_s": elapsed,
         "output_tok_s": num_out / elapsed,
         "decode_tok_s": (num_out - len(outputs)) / decode_span if decode_span > 0 else 0.0,
         "total_tok_s": (num_out + num_prompt) / elapsed,
-        "ttft_s": _stats([o.metrics.ttft for o in outputs]),
-        "e2e_s": _stats([o.metrics.finished_time - o.metrics.arrival_time for o in outputs]),
+        "ttft_s": latency_stats(ttfts),
+        "e2e_s": latency_stats(e2es),
         "num_prompt_tokens": num_prompt,
         "num_computed_prompt_tokens": num_prompt - sum(o.num_cached_tokens for o in outputs),
         "num_preemptions": stats["num_preemptions"],
         **quality,
-        "samples": {"e2e_s": [o.metrics.finished_time - o.metrics.arrival_time for o in outputs],
-                    "ttft_s": [o.metrics.ttft for o in outputs],
+        "samples": {"e2e_s": e2es, "ttft_s": ttfts,
                     "output_token_ids": [o.outputs[0].token_ids for o in outputs]},
     }
 

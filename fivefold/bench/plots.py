@@ -8,7 +8,7 @@ from pathlib import Path
 from fivefold.errors import FivefoldError
 
 
-def _figure(ncols: int, width: float = 6.0):
+def figure(ncols: int, width: float = 6.0):
     import matplotlib
 
     matplotlib.use("Agg")  # no display here, ever
@@ -24,7 +24,7 @@ def plot_runs(runs: list, out: str | Path) -> Path:
     sampled = [r for r in runs if r.metrics.get("samples", {}).get("e2e_s")]
     if not rated and not sampled:
         raise FivefoldError("none of these runs has request-rate throughput or latency samples to plot")
-    plt, fig, axes = _figure(2)
+    plt, fig, axes = figure(2)
     left, right = axes[0]
     series = defaultdict(list)
     for r in rated:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
+
+from fivefold.bench.report import latency_stats
 
 DATASETS = ("random", "shared-prefix", "pydoc")
 
@@ -128,17 +129,6 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
         return results, time.perf_counter() - start
 
 
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def pct(p):
-        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
-
-    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
-
-
 def summarize(results: list[RequestResult], elapsed: float, slo: dict[str, float]) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -148,8 +138,8 @@ def summarize(results: list[RequestResult], elapsed: float, slo: dict[str, float
         "request_throughput": len(ok) / elapsed, "output_token_throughput": out_tokens / elapsed,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / elapsed,
         "goodput_req_s": len(good) / elapsed if slo else None,
-        "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats([r.tpot for r in ok]),
-        "itl_s": _stats([x for r in ok for x in r.itls]), "e2e_s": _stats([r.e2e for r in ok]),
+        "ttft_s": latency_stats([r.ttft for r in ok]), "tpot_s": latency_stats([r.tpot for r in ok]),
+        "itl_s": latency_stats([x for r in ok for x in r.itls]), "e2e_s": latency_stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "samples": {"ttft_s": [r.ttft for r in ok], "e2e_s": [r.e2e for r in ok]},  # for the latency CDF
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fivefold.kernels import int8_ops
 from fivefold.quant.primitives import ACT_QMAX, quantize_weight
 
 
@@ -52,7 +53,7 @@ def candidates(w: torch.Tensor, x: torch.Tensor) -> dict:
     out["fp32-packed"] = lambda: packed(x)
     w_q, w_s = quantize_weight(w)
     out["w8a16-int8pack"] = lambda: w8a16_int8pack(x, w_q, w_s)
-    ops = _own_kernels()
+    ops = int8_ops()
     out["w8a16-fivefold"] = (lambda: ops.int8_weight_linear(x, w_q, w_s, None)) if ops is not None else None
     w_q_t = w_q.t().contiguous()
 
@@ -83,11 +84,3 @@ def candidates(w: torch.Tensor, x: torch.Tensor) -> dict:
     except (RuntimeError, AttributeError):
         out["w8a8-fbgemm"] = None
     return out
-
-
-def _own_kernels():
-    try:
-        from fivefold.kernels import int8_ops
-    except ImportError:
-        return None
-    return int8_ops()

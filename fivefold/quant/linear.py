@@ -29,8 +29,14 @@ import warnings
 import torch
 from torch import nn
 
+from fivefold.kernels import int8_ops
 from fivefold.quant.config import Int8Config
-from fivefold.quant.kernels import onednn_prepack, per_token_quantize, w8a8_int_mm, w8a8_onednn
+from fivefold.quant.kernels import (
+    onednn_prepack,
+    per_token_quantize,
+    w8a8_int_mm,
+    w8a8_onednn,
+)
 from fivefold.quant.primitives import activation_qparams, quantize_weight
 
 SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
@@ -138,8 +144,6 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
-        from fivefold.kernels import int8_ops
-
         ops = int8_ops() if x.shape[0] <= SMALL_BATCH else None
         if ops is not None:
             return ops.int8_weight_linear(x, self.weight, self.weight_scale, self.bias)
@@ -148,9 +152,6 @@ class Int8Linear(nn.Module):
             w = self.weight[n0:n0 + DEQUANT_TILE].float() * self.weight_scale[n0:n0 + DEQUANT_TILE, None]
             out[:, n0:n0 + DEQUANT_TILE] = x @ w.t()
         return out + self.bias if self.bias is not None else out
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.float() * self.weight_scale[:, None]
 
     def extra_repr(self) -> str:
         act = "" if self.scheme == "w8a16" else f", activation={self.activation} {self.activation_granularity}"

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.quant.config import Int8Config
-from fivefold.quant.evaluate import language_metrics, llm_forward, next_token_accuracy, perplexity, text_windows
+from fivefold.quant.evaluate import (
+    language_metrics,
+    llm_forward,
+    next_token_accuracy,
+    perplexity,
+    text_windows,
+)
+from fivefold.quant.linear import Int8Linear
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ def build_quantized(job: QuantizeJob, console=None):
     model, kept, _ = mixed_precision(lambda: load_model(job.model).model, config, scan, acceptable, decide,
                                      data, llm_forward, ranges=ranges)
     loaded.model = model
-    modules = [n for n, m in model.named_modules() if type(m).__name__ == "Int8Linear"]
+    modules = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
     return loaded, modules, kept, scan
 
 

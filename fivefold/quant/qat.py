@@ -16,8 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.quant.config import Int8Config
-from fivefold.quant.primitives import ACT_QMAX, ACT_QMIN, WEIGHT_QMAX, activation_qparams, fake_quantize, weight_scales
-from fivefold.quant.quantize import target_linears, to_int8
+from fivefold.quant.primitives import (
+    ACT_QMAX,
+    ACT_QMIN,
+    WEIGHT_QMAX,
+    activation_qparams,
+    fake_quantize,
+    weight_scales,
+)
+from fivefold.quant.quantize import replace_module, target_linears, to_int8
 
 EMA = 0.9
 
@@ -58,15 +65,10 @@ class FakeQuant(nn.Module):
         return F.linear(x, w, self.module.bias)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
 def prepare_qat(model: nn.Module, config: Int8Config) -> nn.Module:
     """Wrap every quantizable layer in :class:`FakeQuant` (in place); returns the model."""
     for name, module in target_linears(model, config.skip):
-        _replace(model, name, FakeQuant(module, config))
+        replace_module(model, name, FakeQuant(module, config))
     return model
 
 
@@ -75,5 +77,5 @@ def convert(model: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, FakeQuant):
             lo, hi = (float(v) for v in module.range)
-            _replace(model, name, to_int8(module.module, module.config, (lo, hi)))
+            replace_module(model, name, to_int8(module.module, module.config, (lo, hi)))
     return model.eval()

@@ -45,6 +45,15 @@ def is_quantizable(module: nn.Module) -> bool:
     return type(module) in (nn.Linear, PackedLinear) or (type(module) is nn.Conv2d and module.groups == 1)
 
 
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` where the submodule ``name`` is; return the module it replaced."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old
+
+
 def to_int8(module: nn.Module, config: Int8Config, clip_range=None, bias_shift=None) -> nn.Module:
     if isinstance(module, nn.Conv2d):
         return Int8Conv2d.from_float(module, config, clip_range, bias_shift)
@@ -143,11 +152,8 @@ def quantize_(model: nn.Module, config: Int8Config, calibration_data: Iterable[A
         ranges = calibrate(model, targets, config, data, forward_fn, show_progress) if data else {}
     shifts = (measure_bias_shifts(model, targets, config, ranges, data, forward_fn, show_progress)
               if config.bias_correction else {})
-    modules = dict(model.named_modules())
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = modules[parent_name] if parent_name else model
-        setattr(parent, child, to_int8(module, config, ranges.get(name), shifts.get(name)))
+        replace_module(model, name, to_int8(module, config, ranges.get(name), shifts.get(name)))
         result.quantized.append(name)
         if name in ranges:
             result.clip_ranges[name] = ranges[name]

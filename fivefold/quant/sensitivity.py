@@ -17,7 +17,13 @@ from typing import Callable
 from torch import nn
 
 from fivefold.quant.config import Int8Config
-from fivefold.quant.quantize import calibrate, quantize_, target_linears, to_int8
+from fivefold.quant.quantize import (
+    calibrate,
+    quantize_,
+    replace_module,
+    target_linears,
+    to_int8,
+)
 
 
 @dataclass(frozen=True)
@@ -25,14 +31,6 @@ class LayerSensitivity:
     name: str
     metric: float  # with only this layer quantized
     increase: float  # relative to float: metric / float_metric - 1 (lower metric is better)
-
-
-def _swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, child)
-    setattr(parent, child, new)
-    return old
 
 
 def sensitivity_scan(model: nn.Module, config: Int8Config, metric_fn: Callable[[nn.Module], float],
@@ -54,9 +52,9 @@ def sensitivity_scan(model: nn.Module, config: Int8Config, metric_fn: Callable[[
     with Progress(transient=True, disable=not show_progress) as bar:
         task = bar.add_task("sensitivity scan", total=len(targets))
         for name, module in targets:
-            original = _swap(model, name, to_int8(module, config, ranges.get(name)))
+            original = replace_module(model, name, to_int8(module, config, ranges.get(name)))
             value = metric_fn(model)
-            _swap(model, name, original)
+            replace_module(model, name, original)
             out.append(LayerSensitivity(name, value, value / base - 1))
             bar.advance(task)
     return base, sorted(out, key=lambda s: -s.increase)

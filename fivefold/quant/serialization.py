@@ -15,6 +15,7 @@ import torch
 from fivefold.errors import ModelLoadError
 from fivefold.quant.config import Int8Config
 from fivefold.quant.linear import Int8Linear
+from fivefold.quant.quantize import replace_module
 
 QUANT_METHOD = "fivefold-int8"
 FORMAT_VERSION = 1
@@ -72,9 +73,8 @@ def load_quantized_model(directory: Path, model_config, dtype: torch.dtype, qcon
         model = LlamaForCausalLM(model_config)
         for name in qconfig["modules"]:
             linear = model.get_submodule(name)
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in state, config))
+            replace_module(model, name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in state,
+                                                   config))
     model.rotary = RotaryEmbedding(model_config)
     tied = model_config.is_tied_embeddings and "lm_head.weight" not in state
     if tied:

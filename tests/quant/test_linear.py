@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
+from fivefold.errors import FivefoldError
 from fivefold.quant.config import Int8Config
 from fivefold.quant.kernels import per_token_quantize
 from fivefold.quant.linear import Int8Linear
 from fivefold.quant.primitives import sqnr_db
 from fivefold.quant.quantize import quantize_
-from fivefold.errors import FivefoldError
 
 
 def _linear(k=256, n=384, bias=True, seed=0):

@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from fivefold.quant.observers import NUM_BINS, make_observer
-from fivefold.quant.primitives import (activation_qparams, dequantize_activation, dequantize_weight, fake_quantize,
-                                       quantize_activation, quantize_weight, sqnr_db)
+from fivefold.quant.primitives import (
+    activation_qparams,
+    dequantize_activation,
+    dequantize_weight,
+    fake_quantize,
+    quantize_activation,
+    quantize_weight,
+    sqnr_db,
+)
 
 
 def _long_tail(seed=0):

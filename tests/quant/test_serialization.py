@@ -74,10 +74,9 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
 
 
 def test_fivefold_serve_runs_the_quantized_directory(tiny, tmp_path):
-    import socket
-    import time
-
     import httpx
+
+    from tests.serve.conftest import serve_process
 
     loaded = load_model(tiny)
     config = Int8Config("w8a8", activation_granularity="per-tensor")
@@ -87,26 +86,8 @@ def test_fivefold_serve_runs_the_quantized_directory(tiny, tmp_path):
     prompt = [5, 17, 33, 90]
     expected = LLM(load_model(str(out)), kv_cache_memory=8 << 20).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--model", str(out), "--port", str(port),
-                             "--kv-cache-memory", str(8 << 20)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline and proc.poll() is None, "server did not start"
-                time.sleep(0.3)
+    with serve_process("--model", str(out), "--kv-cache-memory", str(8 << 20)) as (_, url):
         r = httpx.post(url + "/v1/completions", json={"model": str(out), "prompt": prompt, "max_tokens": 6,
                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected and r.json()["usage"]["completion_tokens"] == 6
-    finally:
-        proc.terminate()
-        proc.wait(30)

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -27,6 +29,34 @@ def running_server(app):
     finally:
         srv.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, timeout: float = 120):
+    """`fivefold serve ARGS` in a subprocess on a free port; yield (process, base URL) once
+    /health answers. The process is killed on exit if it is still running."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+                time.sleep(0.3)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def wait_until_idle(engine, seconds: float = 10) -> None:

@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 
+from tests.serve.conftest import serve_process
+
 
 def test_sigterm_lets_in_flight_requests_finish():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--port", str(port), "--shutdown-grace", "20",
-                             "--kv-cache-memory", str(64 << 20)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-                time.sleep(0.3)
+    with serve_process("--shutdown-grace", "20", "--kv-cache-memory", str(64 << 20)) as (proc, url):
         body = {"prompt": "Count slowly:", "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         usage, accepted_new, signalled = None, None, False
@@ -49,6 +34,3 @@ def test_sigterm_lets_in_flight_requests_finish():
         assert accepted_new is False
         # uvicorn re-raises the signal once the graceful shutdown is done
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
