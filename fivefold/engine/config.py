@@ -10,6 +10,7 @@ from fivefold.errors import FivefoldError
 PREALLOCATION_POLICIES = ("none", "full", "predicted")
 WEIGHT_LAYOUTS = ("packed", "dense")
 DECODE_ATTENTION_BACKENDS = ("kernel", "torch")
+HOT_PATHS = ("fused", "eager")
 
 
 def available_memory_bytes() -> int:
@@ -40,6 +41,10 @@ class EngineConfig:
     nn.Linear (the reference, and what the hardware lever is measured against).
     decode_attention: "kernel" runs single-token attention in the C++ paged kernel
     (keys read in place from their blocks); "torch" gathers the context and calls SDPA.
+    hot_path: "fused" runs the decoder's elementwise chains (residual add + RMSNorm,
+    SiLU * up, RoPE on q and k) as one C++ kernel each (fivefold/kernels/fused_ops.cpp,
+    float32; faster here than torch.compile of the same code, see
+    benchmarks/fused_hot_path.py); "eager" runs them as separate PyTorch ops.
     """
 
     block_size: int = 16
@@ -51,6 +56,7 @@ class EngineConfig:
     preallocation: str = "none"
     weight_layout: str = "packed"
     decode_attention: str = "kernel"
+    hot_path: str = "fused"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -70,6 +76,8 @@ class EngineConfig:
         if self.decode_attention not in DECODE_ATTENTION_BACKENDS:
             raise FivefoldError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_BACKENDS)}, "
                                 f"got '{self.decode_attention}'")
+        if self.hot_path not in HOT_PATHS:
+            raise FivefoldError(f"hot_path must be one of {', '.join(HOT_PATHS)}, got '{self.hot_path}'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

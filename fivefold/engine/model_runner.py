@@ -12,7 +12,7 @@ import torch
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.sequence import Sequence
 from fivefold.errors import FivefoldError
-from fivefold.kernels import paged_attention_ops
+from fivefold.kernels import fused_ops, paged_attention_ops
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
 
@@ -27,6 +27,9 @@ class ModelRunner:
         self.model = model
         if config.weight_layout == "packed":
             model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
+        model.set_fused_ops(config.hot_path == "fused")
+        if config.hot_path == "fused":
+            fused_ops()  # build or load now, not during the first request
         self.use_decode_kernel = config.decode_attention == "kernel"
         if self.use_decode_kernel:
             paged_attention_ops()  # load (or build) the decode kernel now, not during the first request

@@ -147,7 +147,7 @@ class FusedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, post_op={self.attr}"
 
 
-class _KernelCounter(TorchDispatchMode):
+class KernelCounter(TorchDispatchMode):
     """Counts every ATen/oneDNN op a forward dispatches."""
 
     def __init__(self) -> None:
@@ -161,7 +161,7 @@ class _KernelCounter(TorchDispatchMode):
 
 def count_kernels(module: nn.Module, example_inputs: tuple) -> Counter:
     """How many times each op is dispatched in one forward (``aten.convolution``: 20, ...)."""
-    with torch.inference_mode(), _KernelCounter() as counter:
+    with torch.inference_mode(), KernelCounter() as counter:
         module(*example_inputs)
     return counter.counts
 

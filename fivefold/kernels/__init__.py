@@ -8,7 +8,8 @@ compiler is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall ba
 their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
 
 - ``paged_attention.cpp``: decode attention reading keys and values in place from KV blocks;
-- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches.
+- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches;
+- ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k).
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ def int8_ops():
     return _load("int8_linear")
 
 
+def fused_ops():
+    """``torch.ops.fivefold`` with ``fused_add_rms_norm_``, ``silu_and_mul`` and ``rotary_qk_``, or None."""
+    return _load("fused_ops")
+
+
 def kernel_status() -> str:
     parts = []
-    for name, loader in (("paged_attention", paged_attention_ops), ("int8_linear", int8_ops)):
+    for name, loader in (("paged_attention", paged_attention_ops), ("int8_linear", int8_ops), ("fused_ops", fused_ops)):
         parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_errors[name]})"))
     return ", ".join(parts)

@@ -5,14 +5,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fivefold.kernels import fused_ops
 from fivefold.models.config import ModelConfig, rope_inv_freq
 
 
-class RMSNorm(nn.Module):
+class FusableOp(nn.Module):
+    """A module with an eager path and a fused C++ kernel (fivefold/kernels/fused_ops.cpp).
+
+    ``use_fused`` is off until the model is told otherwise (``set_fused_ops``); the
+    kernel runs only for float32 CPU tensors, everything else takes the eager path.
+    """
+
+    use_fused: bool = False
+
+    def _fused(self, x: torch.Tensor):
+        if self.use_fused and x.dtype == torch.float32 and x.device.type == "cpu":
+            return fused_ops()
+        return None
+
+
+class RMSNorm(FusableOp):
     """RMSNorm computed in float32, with an optional fused residual add.
 
-    ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)`` so the
-    decoder layer needs no separate add kernel for the residual stream.
+    ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``. Fused, it is
+    one pass that overwrites ``x`` and ``residual`` in place (both are the step's own
+    activations), instead of add, cast, rms_norm, cast and mul.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -28,6 +45,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
+        ops = self._fused(x)
+        if ops is not None and x.dim() == 2:
+            ops.fused_add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         x = x + residual
         return self._norm(x), x
 
@@ -53,9 +74,17 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, KVH, D]; both rotated with the same table rows.
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, fused: bool = False):
+        """q: [T, H, D], k: [T, KVH, D], both rotated with the same table rows.
+
+        ``fused``: one C++ call rotating q and k in place (they are views of this step's
+        qkv output), instead of chunk, 4 muls, 2 adds and a cat for each.
+        """
         cos, sin = cos_sin
+        ops = fused_ops() if fused and q.dtype == torch.float32 and q.device.type == "cpu" else None
+        if ops is not None:
+            ops.rotary_qk_(q, k, cos, sin)
+            return q, k
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -64,10 +93,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(FusableOp):
     """silu(gate) * up for a fused [gate | up] projection output."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ops = self._fused(gate_up)
+        if ops is not None and gate_up.dim() == 2:
+            return ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.silu(gate).mul_(up)
 

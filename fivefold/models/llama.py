@@ -22,10 +22,10 @@ from torch import nn
 from fivefold.errors import ModelLoadError
 from fivefold.models.attention import AttentionMetadata, paged_attention
 from fivefold.models.config import ModelConfig
-from fivefold.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from fivefold.models.layers import FusableOp, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(FusableOp):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.config.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k, fused=self.use_fused)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.config.q_size))
 
@@ -155,6 +155,13 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
         if self.config.is_tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_fused_ops(self, enabled: bool) -> None:
+        """Run the hot path's elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k)
+        as fused C++ kernels (``enabled``) or as eager PyTorch ops (the reference)."""
+        for module in self.modules():
+            if isinstance(module, FusableOp):
+                module.use_fused = enabled
 
     def pack_for_serving(self) -> None:
         """Swap every projection (and the LM head) for a :class:`PackedLinear`.

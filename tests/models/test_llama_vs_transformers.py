@@ -85,3 +85,34 @@ def test_bfloat16_load_close_to_float32(tmp_path):
         outs.append(_all_logits(loaded, runner, [(seq, len(seq_tokens))])[0])
     cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1).min().item()
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_hot_path_equals_eager(arch, tmp_path):
+    """hot_path="fused" (C++ add+RMSNorm, SiLU*up, RoPE) vs "eager" on the same steps: 1e-5."""
+    from fivefold.fuse.graph_fuse import KernelCounter
+
+    save_random_hf_model(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    outputs, counts = {}, {}
+    for hot_path in ("eager", "fused"):
+        runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20, hot_path=hot_path))
+        blocks = KVCacheManager(runner.num_blocks, 4)
+        seqs = [Sequence(f"s{i}", list(range(3 + i, 3 + i + n)), SamplingParams()) for i, n in enumerate((10, 5))]
+        logits = []
+        for step in ([(seqs[0], 9), (seqs[1], 4)], [(seqs[0], 1), (seqs[1], 1)]):
+            for seq, n in step:
+                assert blocks.allocate_slots(seq, n)
+            with KernelCounter() as counter:
+                logits.append(_all_logits(loaded, runner, step)[0])
+            for seq, n in step:
+                seq.num_computed_tokens += n
+        outputs[hot_path], counts[hot_path] = torch.cat(logits), counter.counts
+    torch.testing.assert_close(outputs["fused"], outputs["eager"], atol=1e-5, rtol=1e-5)
+    num_layers = loaded.config.num_layers
+    fused = counts["fused"]
+    # Every residual add + norm after the first layer's input norm, plus the final norm.
+    assert fused["fivefold.fused_add_rms_norm_"] == 2 * num_layers
+    assert fused["fivefold.silu_and_mul"] == fused["fivefold.rotary_qk_"] == num_layers
+    assert "fivefold.silu_and_mul" not in counts["eager"]
+    assert sum(fused.values()) < sum(counts["eager"].values())
