@@ -28,6 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="packed: oneDNN-reordered projection weights (default); dense: plain nn.Linear")
     p.add_argument("--decode-attention", default="kernel", choices=["kernel", "torch"],
                    help="kernel: the C++ paged decode kernel (default); torch: gather + SDPA")
+    p.add_argument("--prefill-attention", default="sdpa", choices=["sdpa", "tiled"],
+                   help="sdpa: PyTorch's flash-attention kernel (default); tiled: fivefold.fuse.tiled_attention")
     p.add_argument("--hot-path", default="fused", choices=["fused", "eager"],
                    help="fused: add+RMSNorm, SiLU*up and RoPE as one C++ kernel each (default); eager: PyTorch ops")
 
@@ -178,7 +180,8 @@ def _engine_options(args) -> dict:
     return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
-                decode_attention=args.decode_attention, hot_path=args.hot_path)
+                decode_attention=args.decode_attention, hot_path=args.hot_path,
+                prefill_attention=args.prefill_attention)
 
 
 def _llm(args):

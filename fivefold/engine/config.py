@@ -11,6 +11,7 @@ PREALLOCATION_POLICIES = ("none", "full", "predicted")
 WEIGHT_LAYOUTS = ("packed", "dense")
 DECODE_ATTENTION_BACKENDS = ("kernel", "torch")
 HOT_PATHS = ("fused", "eager")
+PREFILL_ATTENTION_BACKENDS = ("sdpa", "tiled")
 
 
 def available_memory_bytes() -> int:
@@ -45,6 +46,10 @@ class EngineConfig:
     SiLU * up, RoPE on q and k) as one C++ kernel each (fivefold/kernels/fused_ops.cpp,
     float32; faster here than torch.compile of the same code, see
     benchmarks/fused_hot_path.py); "eager" runs them as separate PyTorch ops.
+    prefill_attention: "sdpa" calls PyTorch's SDPA, which on CPU is a C++ flash-attention
+    kernel (tiled, online softmax); "tiled" runs fivefold.fuse.tiled_attention, the same
+    algorithm written in PyTorch ops. Neither holds the N x N scores. SDPA is the default
+    because it measured faster at every length (benchmarks/tiled_attention.py).
     """
 
     block_size: int = 16
@@ -57,6 +62,7 @@ class EngineConfig:
     weight_layout: str = "packed"
     decode_attention: str = "kernel"
     hot_path: str = "fused"
+    prefill_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -78,6 +84,9 @@ class EngineConfig:
                                 f"got '{self.decode_attention}'")
         if self.hot_path not in HOT_PATHS:
             raise FivefoldError(f"hot_path must be one of {', '.join(HOT_PATHS)}, got '{self.hot_path}'")
+        if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
+            raise FivefoldError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_BACKENDS)}, "
+                                f"got '{self.prefill_attention}'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -31,6 +31,7 @@ class ModelRunner:
         if config.hot_path == "fused":
             fused_ops()  # build or load now, not during the first request
         self.use_decode_kernel = config.decode_attention == "kernel"
+        self.use_tiled_prefill = config.prefill_attention == "tiled"
         if self.use_decode_kernel:
             paged_attention_ops()  # load (or build) the decode kernel now, not during the first request
         self.block_size = config.block_size
@@ -75,6 +76,7 @@ class ModelRunner:
             block_tables=tables,
             block_size=bs,
             use_decode_kernel=self.use_decode_kernel,
+            use_tiled_prefill=self.use_tiled_prefill,
         )
         return torch.tensor(input_ids, dtype=torch.long), positions, meta
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fivefold.fuse.tiled_attention import tiled_attention
 from fivefold.kernels import paged_attention_ops
 
 
@@ -33,6 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
     block_size: int
     use_decode_kernel: bool = True  # False: gather + SDPA even where the C++ kernel is available
+    use_tiled_prefill: bool = False  # True: prompts and chunks through fivefold.fuse.tiled_attention
     _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -133,7 +135,11 @@ def paged_attention(
             # Query j sits at position seq_len - query_len + j and sees keys up to it.
             q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
             mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
-        o = _sdpa(q[start:end].transpose(0, 1), ki, vi, mask, is_causal, scale)
+        if meta.use_tiled_prefill:
+            # Its causal convention (query j at position seq_len - query_len + j) needs no mask.
+            o = tiled_attention(q[start:end].transpose(0, 1), ki, vi, causal=True, scale=scale)
+        else:
+            o = _sdpa(q[start:end].transpose(0, 1), ki, vi, mask, is_causal, scale)
         out[start:end] = o.transpose(0, 1)
     if plan is not None:
         _batched_decode(q, kv_cache, plan, scale, out, meta.use_decode_kernel)

@@ -25,8 +25,8 @@ def reference(q_all, k_all, v_all, q_len):
     return (scores.softmax(-1) @ v).transpose(0, 1)  # [q_len, H, D]
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
-def test_mixed_batch_equals_reference(use_kernel, monkeypatch):
+@pytest.mark.parametrize("use_kernel,use_tiled_prefill", [(True, False), (False, False), (True, True)])
+def test_mixed_batch_equals_reference(use_kernel, use_tiled_prefill, monkeypatch):
     if use_kernel:
         assert paged_attention_ops() is not None, "the C++ kernel must build on this machine"
     else:
@@ -54,7 +54,8 @@ def test_mixed_batch_equals_reference(use_kernel, monkeypatch):
         full.append((q_all, k_all, v_all, new))
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, slot_mapping=torch.tensor(slots),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), block_size=BS)
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), block_size=BS,
+                             use_tiled_prefill=use_tiled_prefill)
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D ** -0.5)
     for i, (q_all, k_all, v_all, new) in enumerate(full):
         expected = reference(q_all, k_all, v_all, new)

@@ -87,32 +87,43 @@ def test_bfloat16_load_close_to_float32(tmp_path):
     assert cos > 0.99
 
 
+def _run_two_steps(loaded, **engine_options):
+    """A prefill of two prompts, then a decode of both: (logits of every step, kernel counts of the last)."""
+    from fivefold.fuse.graph_fuse import KernelCounter
+
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20, **engine_options))
+    blocks = KVCacheManager(runner.num_blocks, 4)
+    seqs = [Sequence(f"s{i}", list(range(3 + i, 3 + i + n)), SamplingParams()) for i, n in enumerate((10, 5))]
+    logits = []
+    for step in ([(seqs[0], 9), (seqs[1], 4)], [(seqs[0], 1), (seqs[1], 1)]):
+        for seq, n in step:
+            assert blocks.allocate_slots(seq, n)
+        with KernelCounter() as counter:
+            logits.append(_all_logits(loaded, runner, step)[0])
+        for seq, n in step:
+            seq.num_computed_tokens += n
+    return torch.cat(logits), counter.counts
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_hot_path_equals_eager(arch, tmp_path):
     """hot_path="fused" (C++ add+RMSNorm, SiLU*up, RoPE) vs "eager" on the same steps: 1e-5."""
-    from fivefold.fuse.graph_fuse import KernelCounter
-
     save_random_hf_model(arch, tmp_path)
     loaded = load_model(str(tmp_path))
-    outputs, counts = {}, {}
-    for hot_path in ("eager", "fused"):
-        runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20, hot_path=hot_path))
-        blocks = KVCacheManager(runner.num_blocks, 4)
-        seqs = [Sequence(f"s{i}", list(range(3 + i, 3 + i + n)), SamplingParams()) for i, n in enumerate((10, 5))]
-        logits = []
-        for step in ([(seqs[0], 9), (seqs[1], 4)], [(seqs[0], 1), (seqs[1], 1)]):
-            for seq, n in step:
-                assert blocks.allocate_slots(seq, n)
-            with KernelCounter() as counter:
-                logits.append(_all_logits(loaded, runner, step)[0])
-            for seq, n in step:
-                seq.num_computed_tokens += n
-        outputs[hot_path], counts[hot_path] = torch.cat(logits), counter.counts
-    torch.testing.assert_close(outputs["fused"], outputs["eager"], atol=1e-5, rtol=1e-5)
+    eager, eager_counts = _run_two_steps(loaded, hot_path="eager")
+    fused, fused_counts = _run_two_steps(loaded, hot_path="fused")
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
     num_layers = loaded.config.num_layers
-    fused = counts["fused"]
     # Every residual add + norm after the first layer's input norm, plus the final norm.
-    assert fused["fivefold.fused_add_rms_norm_"] == 2 * num_layers
-    assert fused["fivefold.silu_and_mul"] == fused["fivefold.rotary_qk_"] == num_layers
-    assert "fivefold.silu_and_mul" not in counts["eager"]
-    assert sum(fused.values()) < sum(counts["eager"].values())
+    assert fused_counts["fivefold.fused_add_rms_norm_"] == 2 * num_layers
+    assert fused_counts["fivefold.silu_and_mul"] == fused_counts["fivefold.rotary_qk_"] == num_layers
+    assert "fivefold.silu_and_mul" not in eager_counts
+    assert sum(fused_counts.values()) < sum(eager_counts.values())
+
+
+def test_tiled_prefill_attention_equals_sdpa(tmp_path):
+    save_random_hf_model("llama", tmp_path)
+    loaded = load_model(str(tmp_path))
+    sdpa, _ = _run_two_steps(loaded, prefill_attention="sdpa")
+    tiled, _ = _run_two_steps(loaded, prefill_attention="tiled")
+    torch.testing.assert_close(tiled, sdpa, atol=1e-5, rtol=1e-5)
