@@ -156,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--window", type=int, default=256)
     qz.add_argument("--out", required=True, help="output model directory")
 
+    fz = sub.add_parser("fuse", help="fuse a CNN or encoder (fold BN, fuse activations, channels_last), "
+                                     "measure it against eager, write a directory")
+    fz.add_argument("--model", default="resnet18", help="resnet18, mobilenet_v2, all-minilm-l6-v2 or a BERT directory")
+    fz.add_argument("--out", required=True, help="output directory")
+    fz.add_argument("--batch-sizes", default="1,32", help="comma-separated batch sizes to time (default 1,32)")
+    fz.add_argument("--image-size", type=int, default=224, help="CNN input height and width")
+    fz.add_argument("--seq-len", type=int, default=64, help="encoder input length in tokens")
+    fz.add_argument("--no-channels-last", action="store_true")
+    fz.add_argument("--no-align", action="store_true", help="do not time packed/padded layouts for linears")
+
     demo = sub.add_parser("demo", help="profile, then one lever at a time, measured: the five-lever table")
     demo.add_argument("--model", default=DEFAULT_LLM)
     demo.add_argument("--full", action="store_true", help="larger workloads (the default is the quick mode)")
@@ -400,6 +410,19 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_fuse(args) -> int:
+    from fivefold.fuse.fuse_job import FuseJob, run_fuse
+    from fivefold.fuse.graph_fuse import FuseConfig
+
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    except ValueError:
+        raise FivefoldError(f"--batch-sizes must be comma-separated integers, got '{args.batch_sizes}'") from None
+    config = FuseConfig(channels_last=not args.no_channels_last, align_linears=not args.no_align)
+    run_fuse(FuseJob(args.model, args.out, batch_sizes, args.image_size, args.seq_len, config=config))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from fivefold.bench.demo import run_demo
 
@@ -428,7 +451,7 @@ def cmd_bench(args) -> int:
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
             "runs": cmd_runs, "profile": cmd_profile,
-            "demo": cmd_demo, "quantize": cmd_quantize}
+            "demo": cmd_demo, "quantize": cmd_quantize, "fuse": cmd_fuse}
 
 
 def main(argv: list[str] | None = None) -> int:

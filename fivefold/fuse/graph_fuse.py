@@ -13,6 +13,9 @@ Rewrites, in this order, on the traced graph:
 5. **Layout.** With ``channels_last``, 4-d inputs are converted once at the graph's entry and
    every conv weight is reordered once into oneDNN's blocked layout (``prepack``), so no
    per-call weight reorder or NCHW<->NHWC conversion is left on the path.
+6. **Alignment.** Each remaining linear is timed on its real input shape as it is, with its
+   weight packed for oneDNN, and with its outputs padded to a multiple of ``align_multiple``
+   (see ``fivefold.fuse.layout``); the fastest is kept if it wins by 5% or more.
 
 Steps 3-5 need oneDNN (``torch.backends.mkldnn``) and CPU float tensors; elsewhere the pass
 folds and merges only. The report counts graph ops, dispatched kernels (every ATen op a
@@ -24,6 +27,9 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
+import sys
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -35,6 +41,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.errors import FivefoldError
+from fivefold.fuse.layout import PaddedLinear, median_us, padded_copy
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,15 @@ class FuseConfig:
     fuse_activations: bool = True
     channels_last: bool = True
     prepack: bool = True
+    align_linears: bool = True
+    align_multiple: int = 16
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, bool):
+            if name != "align_multiple" and not isinstance(value, bool):
                 raise FivefoldError(f"FuseConfig.{name} must be a bool, got {value!r}")
+        if not isinstance(self.align_multiple, int) or self.align_multiple < 1 or self.align_multiple > 256:
+            raise FivefoldError(f"FuseConfig.align_multiple must be an integer in [1, 256], got {self.align_multiple!r}")
 
 
 @dataclass
@@ -64,12 +75,15 @@ class FuseReport:
     kernels_after: int
     layout_conversions_before: int
     layout_conversions_after: int
+    onednn_reorders_before: int
+    onednn_reorders_after: int
     num_folded_batchnorms: int
     num_merged_linear_groups: int
     num_fused_residual_adds: int
     num_fused_activations: int
     max_abs_diff: float
     max_abs_output: float
+    linear_layouts: list  # one dict per timed linear: name, shape, microseconds per candidate, choice
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,11 +122,22 @@ class FusedConv2d(nn.Module):
         self.attr, self.scalars, self.algorithm = activation
         self.has_residual = has_residual
         self._packed: torch.Tensor | None = None
+        self._packed_for: list[int] | None = None
 
     def prepack(self, input_shape: list[int]) -> None:
         """Reorder the weight once for this input shape (other shapes still work, reordering per call)."""
+        self._packed_for = list(input_shape)
         self._packed = torch.ops.mkldnn._reorder_convolution_weight(
-            self.weight.detach(), self.padding, self.stride, self.dilation, self.groups, input_shape)
+            self.weight.detach(), self.padding, self.stride, self.dilation, self.groups, self._packed_for)
+
+    # oneDNN's reordered tensors cannot be pickled: save without them, reorder again on load.
+    def __getstate__(self):
+        return {**self.__dict__, "_packed": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self._packed_for is not None:
+            self.prepack(self._packed_for)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weight = self._packed if self._packed is not None else self.weight
@@ -138,7 +163,17 @@ class FusedLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.attr, self.scalars, self.algorithm = activation
+        self._pack()
+
+    def _pack(self) -> None:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_packed": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, self.attr, self.scalars, self.algorithm)
@@ -169,6 +204,35 @@ def count_kernels(module: nn.Module, example_inputs: tuple) -> Counter:
 def num_layout_conversions(counts: Counter) -> int:
     """Copies that only change a tensor's layout or dtype (clone, _to_copy, copy_, contiguous)."""
     return sum(n for op, n in counts.items() if op in _LAYOUT_OPS)
+
+
+def count_onednn_primitives(module: nn.Module, example_inputs: tuple) -> Counter:
+    """oneDNN primitives executed in one forward, by kind (``convolution``, ``reorder``, ...).
+
+    Read from oneDNN's verbose log, which it writes to file descriptor 1: the only place
+    that shows the reorders oneDNN does inside a call (e.g. an NCHW activation or a plain
+    weight converted to its blocked layout on every conv). Empty without oneDNN.
+    """
+    counts: Counter = Counter()
+    if not torch.backends.mkldnn.is_available():
+        return counts
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            with torch.inference_mode(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                module(*example_inputs)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        log.seek(0)
+        for line in log.read().decode(errors="replace").splitlines():
+            fields = line.split(",")
+            if fields[0] == "onednn_verbose" and "exec" in fields:
+                counts[fields[fields.index("exec") + 2]] += 1
+    return counts
 
 
 def _num_graph_ops(gm: fx.GraphModule) -> int:
@@ -342,6 +406,36 @@ def _fuse_activations(gm: fx.GraphModule) -> int:
     return fused
 
 
+def _align_linears(gm: fx.GraphModule, multiple: int) -> list[dict]:
+    decisions = []
+    for node in list(gm.graph.nodes):
+        module = _module(gm, node)
+        shape = _shape(node.args[0]) if node.args else None
+        if not isinstance(module, (nn.Linear, FusedLinear)) or shape is None:
+            continue
+        activation = (module.attr, module.scalars, module.algorithm) if isinstance(module, FusedLinear) \
+            else ("none", [], "")
+        candidates = {"as is": module}
+        if isinstance(module, nn.Linear):
+            candidates["packed"] = FusedLinear(module, activation)
+        if module.weight.shape[0] % multiple:
+            candidates[f"padded to {multiple}"] = PaddedLinear(FusedLinear(padded_copy(module, multiple), activation),
+                                                               module.weight.shape[0])
+        if len(candidates) == 1:
+            continue
+        x = torch.randn(shape)
+        times = {name: median_us(lambda m=m: m(x)) for name, m in candidates.items()}
+        choice = min(times, key=times.get)
+        if times[choice] > 0.95 * times["as is"]:
+            choice = "as is"
+        decisions.append({"name": node.target, "in_shape": list(shape), "out_features": module.weight.shape[0],
+                          "us": {k: round(v, 1) for k, v in times.items()}, "choice": choice})
+        if choice != "as is":
+            _replace_with_module(gm, node, node, candidates[choice], node.args, _unique_name(gm, f"{node.target}_aligned"))
+            gm.graph.erase_node(node)
+    return decisions
+
+
 def _to_channels_last(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         shape = _shape(node)
@@ -384,6 +478,7 @@ def fuse(model: nn.Module, example_inputs: tuple, config: FuseConfig = FuseConfi
         folded = _fold_batchnorms(gm) if config.fold_batchnorm else 0
         merged = _merge_parallel_linears(gm) if config.merge_parallel_linears else 0
         residuals = activations = 0
+        layouts: list[dict] = []
         if _is_onednn_ready(gm):
             residuals = _fuse_conv_add(gm) if config.fuse_residual_add else 0
             activations = _fuse_activations(gm) if config.fuse_activations else 0
@@ -391,17 +486,24 @@ def fuse(model: nn.Module, example_inputs: tuple, config: FuseConfig = FuseConfi
                 _to_channels_last(gm)
             if config.prepack:
                 _prepack(gm)
+            if config.align_linears:
+                layouts = _align_linears(gm, config.align_multiple)
         gm.graph.eliminate_dead_code()
         gm.delete_all_unused_submodules()
+        for node in gm.graph.nodes:
+            # Annotations from the forward signature make torch.save of the GraphModule fail (torch 2.13).
+            node.type = None
         gm.graph.lint()
         gm.recompile()
     before, after = count_kernels(model, example_inputs), count_kernels(gm, example_inputs)
     with torch.inference_mode():
-        ref, out = model(*example_inputs), gm(*example_inputs)
+        ref, out = model(*example_inputs), gm(*example_inputs)  # also warms oneDNN's primitive caches
+    reorders = [count_onednn_primitives(m, example_inputs)["reorder"] for m in (model, gm)]
     diff, magnitude = _max_abs_diff(ref, out)
     report = FuseReport(_num_graph_ops(original), _num_graph_ops(gm), sum(before.values()), sum(after.values()),
-                        num_layout_conversions(before), num_layout_conversions(after), folded, merged, residuals,
-                        activations, diff, magnitude)
+                        num_layout_conversions(before), num_layout_conversions(after), *reorders, folded, merged,
+                        residuals,
+                        activations, diff, magnitude, layouts)
     return gm, report
 
 

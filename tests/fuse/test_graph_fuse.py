@@ -60,6 +60,9 @@ def test_mobilenet_v2_fused_equals_eager():
     assert report.num_fused_activations == 35  # every conv + ReLU6 (as hardtanh[0, 6])
     # Graph entry converts to channels_last once; nothing else converts layouts.
     assert report.layout_conversions_after == 1
+    # Eager NCHW convs make oneDNN reorder activations and weights inside every call; fused, the
+    # weights are prepacked and activations stay channels_last.
+    assert report.onednn_reorders_before >= 52 and report.onednn_reorders_after <= 2
 
 
 def test_functional_activations_and_torch_add_are_fused():
@@ -162,3 +165,19 @@ def test_bad_input_errors():
         fuse(Branchy().eval(), (torch.randn(2),))
     with pytest.raises(FivefoldError, match="must be a bool"):
         FuseConfig(prepack="yes")
+
+
+def test_padded_linear_equals_original_and_alignment_is_timed():
+    from fivefold.fuse.layout import PaddedLinear, padded_copy
+
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 1000)
+    padded = PaddedLinear(padded_copy(linear, 64), 1000)
+    assert padded.inner.out_features == 1024
+    x = torch.randn(3, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(padded(x), linear(x), atol=TOL, rtol=TOL)
+    fused, report = _check_equal(nn.Sequential(nn.Linear(24, 1000)).eval(), (x,))
+    (decision,) = report.linear_layouts
+    assert set(decision["us"]) == {"as is", "packed", "padded to 16"}
+    assert decision["choice"] in decision["us"]
