@@ -38,6 +38,7 @@ class DemoSizes:
     output_len: int
     profile_seq: int
     eval_windows: int  # held-out 256-token windows for the perplexity of the quantization rows
+    cnn_image_size: int = 224  # input of the CNN fusion rows (ResNet-18, MobileNet-V2 at batch 1)
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
@@ -125,6 +126,32 @@ def _with_engine(config: dict, **changes) -> dict:
     return {**config, "engine": {**config["engine"], **changes}}
 
 
+def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
+    """``fuse`` (BN folding, oneDNN post-ops, channels_last) on the reference CNNs at batch 1.
+
+    Not engine runs, so not in the run registry: the before/after pair is eager vs fused
+    latency of the same module on the same input, timed back to back."""
+    import torch
+
+    from fivefold.fuse.fuse_job import build_fusable
+    from fivefold.fuse.graph_fuse import fuse
+    from fivefold.fuse.layout import median_us
+
+    rows = []
+    for name in ("resnet18", "mobilenet_v2"):
+        console.print(f"  running: fuse {name}, eager vs fused ...")
+        model, inputs = build_fusable(name, image_size)
+        x = inputs(1)
+        fused, report = fuse(model, x)
+        eager_ms, fused_ms = (median_us(lambda m=m: m(*x), 10) / 1e3 for m in (model, fused))
+        with torch.inference_mode():
+            diff = float((fused(*x) - model(*x)).abs().max())
+        rows.append(LeverRow("2 hardware", f"{name}: fx fusion + channels_last ({report.kernels_before} -> "
+                             f"{report.kernels_after} kernels)", "latency ms, batch 1", eager_ms, fused_ms, False,
+                             f"none: max |diff| {diff:.0e}"))
+    return rows
+
+
 def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivefold/runs.db",
              out_dir: str | Path = ".fivefold", console=None, sizes: DemoSizes | None = None) -> dict[str, Any]:
     """Profile, then one lever at a time; print the table, save the plot; return everything as a dict.
@@ -143,7 +170,8 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     loaded = load_model(model, "float32")
     registry = RunRegistry(registry_path) if registry_path else None
     runner = _Runner(loaded, model_fingerprint(model), registry, console)
-    baseline_engine = dict(weight_layout="dense", decode_attention="torch", kv_cache_memory=KV_CACHE_BYTES)
+    baseline_engine = dict(weight_layout="dense", decode_attention="torch", hot_path="eager",
+                           kv_cache_memory=KV_CACHE_BYTES)
 
     # 1. Profile first: the baseline, before any lever (dense weights, gather + SDPA decode).
     console.rule("1. profile the baseline")
@@ -166,8 +194,13 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     packed = _with_engine(kernel, weight_layout="packed")
     rows.append(runner.row("2 hardware", "weight layout: dense -> oneDNN-packed", "output tok/s", ("output_tok_s",),
                            kernel, packed, True, "weight layout"))
-    rows.append(LeverRow("2 hardware", "operator fusion passes", "", status="issue 7: not landed yet "
-                         "(fused QKV and gate-up projections are always on)"))
+    single = make_config(model, workload="throughput", num_requests=1, input_len=sizes.input_len,
+                         output_len=2 * sizes.output_len, **{**baseline_engine, "decode_attention": "kernel",
+                                                             "weight_layout": "packed"})
+    rows.append(runner.row("2 hardware", "hot path: add+RMSNorm, SiLU*up, RoPE as fused C++ kernels (batch 1)",
+                           "decode tok/s", ("decode_tok_s",), single, _with_engine(single, hot_path="fused"), True,
+                           "fused hot path"))
+    rows += _cnn_fusion_rows(sizes.cnn_image_size, console)
     rows.append(LeverRow("1 structure", "pruning, distillation", "", status="issue 9: not landed yet"))
     one_at_a_time = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
                                 input_len=sizes.input_len, output_len=sizes.output_len, max_num_seqs=1,
@@ -231,7 +264,7 @@ def render_table(rows: list[LeverRow], console) -> None:
             table.add_row(r.lever, r.change, "", r.status, "", "", "")
             continue
         table.add_row(r.lever, r.change, r.metric, f"{r.before:.1f} -> {r.after:.1f}", f"{r.ratio:.2f}x",
-                      r.accuracy, f"{r.runs[0]} -> {r.runs[1]}")
+                      r.accuracy, f"{r.runs[0]} -> {r.runs[1]}" if r.runs else "-")
     console.print(table)
 
 

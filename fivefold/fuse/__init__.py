@@ -1,1 +1,1 @@
-"""Lever 2, hardware: the same math with fewer trips to memory (in progress: tiled attention)."""
+"""Lever 2, hardware: the same math with fewer trips to memory (fx fusion, layout, tiled attention)."""

@@ -61,7 +61,7 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     from rich.console import Console
 
     sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
-                      output_len=6, profile_seq=24, eval_windows=1)
+                      output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
                        sizes=sizes)
@@ -69,13 +69,18 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     assert {r["lever"] for r in measured} == {"2 hardware", "3 quantization", "4 scheduling", "5 caching"}
     assert all(r["ratio"] > 0 and r["accuracy"] for r in measured)
     # Speed levers do not change greedy tokens; quantization reports its perplexity cost.
-    assert all(r["accuracy"] == "none: greedy tokens identical" for r in measured if r["lever"] != "3 quantization")
+    engine_rows = [r for r in measured if r["runs"]]
+    assert all(r["accuracy"] == "none: greedy tokens identical" for r in engine_rows if r["lever"] != "3 quantization")
+    cnn = [r for r in measured if not r["runs"]]  # fx fusion of the reference CNNs, eager vs fused latency
+    assert [r["change"].split(":")[0] for r in cnn] == ["resnet18", "mobilenet_v2"]
+    assert all(r["accuracy"].startswith("none: max |diff|") and float(r["accuracy"].split()[-1]) < 1e-5 for r in cnn)
+    assert any("hot path" in r["change"] for r in engine_rows)
     quant = [r for r in measured if r["lever"] == "3 quantization"]
     assert len(quant) == 2 and all(r["accuracy"].startswith("held-out ppl ") for r in quant)
     assert {r["status"] for r in summary["rows"]} - {"measured"}  # the levers not landed are said so
     assert set(summary["verdicts"]) == {"decode", "prefill"} and all(summary["verdicts"].values())
     registry = RunRegistry(tmp_path / "runs.db")
-    for r in measured:
+    for r in engine_rows:
         assert registry.compare(*r["runs"]).num_changed_variables == 1
     for r in quant:  # the int8 run really ran int8 layers, and recorded its configuration
         assert registry.get(r["runs"][1]).config["quantization"]["scheme"] in ("w8a16", "w8a8")
