@@ -49,7 +49,8 @@ def variants(name: str, x: torch.Tensor, use_compile: bool) -> dict:
 
 def main() -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from fivefold.bench.report import results_table
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="resnet18,mobilenet_v2")
@@ -74,14 +75,11 @@ def main() -> None:
                                  **({"kernels": [report.kernels_before, report.kernels_after],
                                      "onednn_reorders": [report.onednn_reorders_before, report.onednn_reorders_after]}
                                     if variant == "fused channels_last" else {})})
-    table = Table(title=f"CNN latency, {args.image_size}x{args.image_size}, float32, {torch.get_num_threads()} threads "
-                        "(median; speedup vs eager)")
-    for col in ("model", "batch", "variant", "ms", "speedup", "max |diff| vs eager"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(r["model"], str(r["batch"]), r["variant"], f"{r['ms']:.2f}", f"{r['speedup']:.2f}x",
-                      f"{r['max_abs_diff']:.1e}")
-    console.print(table)
+    console.print(results_table(
+        f"CNN latency, {args.image_size}x{args.image_size}, float32, {torch.get_num_threads()} threads "
+        "(median; speedup vs eager)", ("model", "batch", "variant", "ms", "speedup", "max |diff| vs eager"),
+        [(r["model"], str(r["batch"]), r["variant"], f"{r['ms']:.2f}", f"{r['speedup']:.2f}x",
+          f"{r['max_abs_diff']:.1e}") for r in rows]))
     print(json.dumps({"benchmark": "fuse_cnn", "image_size": args.image_size, "rows": rows}))
 
 

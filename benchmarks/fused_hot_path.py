@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     args = ap.parse_args()
     from rich.console import Console
-    from rich.table import Table
+
+    from fivefold.bench.report import results_table
 
     if fused_ops() is None:
         sys.exit("error: the fused_ops kernel could not be built (see fivefold.kernels.kernel_status())")
@@ -107,23 +108,21 @@ def main() -> None:
     console = Console(width=120)
     loaded = load_model(args.model, "float32")
     ops = op_rows(loaded.config, not args.no_compile)
-    table = Table(title=f"fused elementwise ops, {args.model} shapes, float32, us per call (lower is better)")
-    for col in ("op", "tokens", "eager", "fused kernel", "torch.compile", "kernel vs eager", "kernel vs compile"):
-        table.add_column(col, justify="right")
-    for r in ops:
-        compiled = r["torch_compile_us"]
-        table.add_row(r["op"], str(r["tokens"]), f"{r['eager_us']:.1f}", f"{r['fused_kernel_us']:.1f}",
-                      "-" if compiled is None else f"{compiled:.1f}", f"{r['eager_us'] / r['fused_kernel_us']:.2f}x",
-                      "-" if compiled is None else f"{compiled / r['fused_kernel_us']:.2f}x")
-    console.print(table)
+    console.print(results_table(
+        f"fused elementwise ops, {args.model} shapes, float32, us per call (lower is better)",
+        ("op", "tokens", "eager", "fused kernel", "torch.compile", "kernel vs eager", "kernel vs compile"),
+        [(r["op"], str(r["tokens"]), f"{r['eager_us']:.1f}", f"{r['fused_kernel_us']:.1f}",
+          "-" if r["torch_compile_us"] is None else f"{r['torch_compile_us']:.1f}",
+          f"{r['eager_us'] / r['fused_kernel_us']:.2f}x",
+          "-" if r["torch_compile_us"] is None else f"{r['torch_compile_us'] / r['fused_kernel_us']:.2f}x")
+         for r in ops]))
     del loaded
     engine = engine_rows(args.model, [int(b) for b in args.batches.split(",")], args.output_len)
-    table = Table(title=f"engine decode tok/s, {args.model} float32, 64-token prompts, {args.output_len} new tokens")
-    for col in ("batch", "hot path eager", "hot path fused", "speedup"):
-        table.add_column(col, justify="right")
-    for r in engine:
-        table.add_row(str(r["batch"]), f"{r['eager_tok_s']:.1f}", f"{r['fused_tok_s']:.1f}", f"{r['speedup']:.2f}x")
-    console.print(table)
+    console.print(results_table(
+        f"engine decode tok/s, {args.model} float32, 64-token prompts, {args.output_len} new tokens",
+        ("batch", "hot path eager", "hot path fused", "speedup"),
+        [(str(r["batch"]), f"{r['eager_tok_s']:.1f}", f"{r['fused_tok_s']:.1f}", f"{r['speedup']:.2f}x")
+         for r in engine]))
     print(json.dumps({"benchmark": "fused_hot_path", "model": args.model, "ops": ops, "engine": engine}))
 
 

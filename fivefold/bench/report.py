@@ -63,3 +63,15 @@ def record_run(registry_path: str | None, name: str, config: dict[str, Any], met
     finally:
         registry.close()
     return run_id
+
+
+def results_table(title: str, columns: tuple[str, ...], rows: list[tuple]):
+    """A rich Table of right-aligned columns, one row per tuple of already formatted cells."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table

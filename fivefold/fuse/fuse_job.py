@@ -131,28 +131,22 @@ def run_fuse(job: FuseJob, console=None) -> dict:
 
 
 def _render(console, job: FuseJob, report: FuseReport, latency: list[dict]) -> None:
-    from rich.table import Table
+    from fivefold.bench.report import results_table
 
-    counts = Table(title=f"{job.model}: what fuse changed")
-    for col in ("", "before", "after"):
-        counts.add_column(col, justify="right")
-    counts.add_row("graph ops", str(report.graph_ops_before), str(report.graph_ops_after))
-    counts.add_row("kernels dispatched per forward", str(report.kernels_before), str(report.kernels_after))
-    counts.add_row("layout copies per forward (ATen)", str(report.layout_conversions_before),
-                   str(report.layout_conversions_after))
-    counts.add_row("layout reorders per forward (inside oneDNN)", str(report.onednn_reorders_before),
-                   str(report.onednn_reorders_after))
-    counts.add_row("BatchNorms folded", "", str(report.num_folded_batchnorms))
-    counts.add_row("parallel linear groups merged", "", str(report.num_merged_linear_groups))
-    counts.add_row("residual adds fused", "", str(report.num_fused_residual_adds))
-    counts.add_row("activations fused", "", str(report.num_fused_activations))
-    counts.add_row("linears re-laid-out (packed/padded)", "",
-                   str(sum(d["choice"] != "as is" for d in report.linear_layouts)))
-    console.print(counts)
-    table = Table(title=f"{job.model}: eager vs fused latency (median of {job.num_timed_calls}, float32)")
-    for col in ("batch", "eager ms", "fused ms", "speedup", "max |fused - eager|"):
-        table.add_column(col, justify="right")
-    for r in latency:
-        table.add_row(str(r["batch"]), f"{r['eager_ms']:.2f}", f"{r['fused_ms']:.2f}", f"{r['speedup']:.2f}x",
-                      f"{r['max_abs_diff']:.1e}")
-    console.print(table)
+    r = report
+    counts = [("graph ops", r.graph_ops_before, r.graph_ops_after),
+              ("kernels dispatched per forward", r.kernels_before, r.kernels_after),
+              ("layout copies per forward (ATen)", r.layout_conversions_before, r.layout_conversions_after),
+              ("layout reorders per forward (inside oneDNN)", r.onednn_reorders_before, r.onednn_reorders_after),
+              ("BatchNorms folded", "", r.num_folded_batchnorms),
+              ("parallel linear groups merged", "", r.num_merged_linear_groups),
+              ("residual adds fused", "", r.num_fused_residual_adds),
+              ("activations fused", "", r.num_fused_activations),
+              ("linears re-laid-out (packed/padded)", "", sum(d["choice"] != "as is" for d in r.linear_layouts))]
+    console.print(results_table(f"{job.model}: what fuse changed", ("", "before", "after"),
+                                [tuple(map(str, row)) for row in counts]))
+    console.print(results_table(
+        f"{job.model}: eager vs fused latency (median of {job.num_timed_calls}, float32)",
+        ("batch", "eager ms", "fused ms", "speedup", "max |fused - eager|"),
+        [(str(x["batch"]), f"{x['eager_ms']:.2f}", f"{x['fused_ms']:.2f}", f"{x['speedup']:.2f}x",
+          f"{x['max_abs_diff']:.1e}") for x in latency]))
