@@ -236,7 +236,9 @@ def count_onednn_primitives(module: nn.Module, example_inputs: tuple) -> Counter
 
 
 def _num_graph_ops(gm: fx.GraphModule) -> int:
-    return sum(node.op in ("call_module", "call_function", "call_method") for node in gm.graph.nodes)
+    """Calls in the graph; tuple indexing (``getitem``, as after a split) is not an op."""
+    return sum(node.op in ("call_module", "call_function", "call_method") and node.target is not operator.getitem
+               for node in gm.graph.nodes)
 
 
 def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
