@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--result-cache-entries", type=int, default=1024, help="0 disables the result cache")
     serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
     serve.add_argument("--prompt-version", default="v1", help="result-cache version (X-Prompt-Version overrides)")
+    serve.add_argument("--max-batch-size", type=int, default=32, help="encoders: requests per batch")
+    serve.add_argument("--max-batch-tokens", type=int, default=16384,
+                       help="encoders: padded tokens per batch (requests x longest)")
+    serve.add_argument("--max-queue-delay", default="auto",
+                       help="encoders: seconds a request may wait for a batch, or auto (0.3 x one forward)")
+    serve.add_argument("--no-length-buckets", action="store_true", help="encoders: one queue for all lengths")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="on SIGINT/SIGTERM: stop accepting, let in-flight requests finish this long, abort the rest")
 
@@ -284,11 +290,46 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _serve_encoder(args, path) -> int:
+    import uvicorn
+
+    from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig
+    from fivefold.serve.embeddings import create_embeddings_server
+
+    delay = args.max_queue_delay
+    if delay != "auto":
+        try:
+            delay = float(delay)
+        except ValueError:
+            raise FivefoldError(f"--max-queue-delay must be 'auto' or seconds, got '{delay}'") from None
+    config = BatcherConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                           max_queue_delay=delay, length_buckets=None if args.no_length_buckets else
+                           DEFAULT_LENGTH_BUCKETS, request_timeout=args.queue_timeout,
+                           **({} if args.max_queued_requests is None else
+                              {"max_queued_requests": args.max_queued_requests}))
+    name = args.served_model_name or args.model
+    log = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    app, batcher, _ = create_embeddings_server(path, config, name, args.api_key, args.max_body_bytes, log)
+    print(f"fivefold: serving {args.model} (embeddings) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_grace)
+    finally:
+        batcher.shutdown()
+    return 0
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from fivefold.batching.encoder import is_encoder_dir
+    from fivefold.models.registry import resolve_model_path
     from fivefold.serve.app import build_app
     from fivefold.serve.async_engine import AsyncEngine
+
+    path = resolve_model_path(args.model)
+    if is_encoder_dir(path):
+        return _serve_encoder(args, path)
 
     llm = _llm(args)
     from fivefold.serve.metrics import ServerMetrics

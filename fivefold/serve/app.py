@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/models, /v1/completions,
-/v1/chat/completions (JSON or SSE streaming), /health.
+/v1/chat/completions (JSON or SSE streaming), /health, /metrics. The embeddings server
+(fivefold/serve/embeddings.py) is built on the same base.
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
 400 for values out of range (the message names the limit), malformed JSON, an empty
@@ -48,16 +49,12 @@ def model_fingerprint(engine: AsyncEngine) -> str:
     return f"{loaded.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{loaded.model.dtype}"
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, result_cache: ResultCache | None = None,
-              prompt_version: str = "v1") -> FastAPI:
-    """The FastAPI app. With ``result_cache``, deterministic requests (temperature 0 or a
-    seed) are answered from it when the same request was answered before under the same
-    prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
-    bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
+def build_base_app(model_name: str, metrics_registry, api_key: str | None = None,
+                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """What every fivefold server has: the body-size and API-key guard, OpenAI-style error
+    bodies, ``/health``, ``/metrics`` (``metrics_registry()`` -> a prometheus registry or
+    None) and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it."""
     app = FastAPI(title="Fivefold", version="0.1.0")
-    tokenizer = engine.tokenizer
-    fingerprint = model_fingerprint(engine)
 
     # A pure ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) wraps the
     # receive channel, and then request.is_disconnected() never sees the client leave.
@@ -113,17 +110,35 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        if engine.metrics is None:
+        registry = metrics_registry()
+        if registry is None:
             return Response("", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "fivefold"}]}
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(400, f"model '{name}' is not served here; available: {model_name}", "model", "model_not_found")
+    return app
+
+
+def check_model(name: str | None, model_name: str) -> None:
+    """400 (OpenAI's ``model_not_found``) unless ``name`` is absent or the served model."""
+    if name is not None and name != model_name:
+        raise APIError(400, f"model '{name}' is not served here; available: {model_name}", "model", "model_not_found")
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, result_cache: ResultCache | None = None,
+              prompt_version: str = "v1") -> FastAPI:
+    """The FastAPI app. With ``result_cache``, deterministic requests (temperature 0 or a
+    seed) are answered from it when the same request was answered before under the same
+    prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
+    bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
+    app = build_base_app(model_name, lambda: None if engine.metrics is None else engine.metrics.registry,
+                         api_key, max_body_bytes)
+    tokenizer = engine.tokenizer
+    fingerprint = model_fingerprint(engine)
 
     def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -334,7 +349,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
+        check_model(req.model, model_name)
         vocab_size = engine.engine.loaded.config.vocab_size
         if isinstance(req.prompt, str):
             prompt_ids = tokenizer.encode(req.prompt) if req.prompt else []
@@ -353,7 +368,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
+        check_model(req.model, model_name)
         if not req.messages:
             raise APIError(400, "messages is empty; at least one message is required", "messages")
         prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True)

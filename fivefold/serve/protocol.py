@@ -49,3 +49,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body: one string, strings, one token-id list, or token-id lists."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None

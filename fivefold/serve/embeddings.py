@@ -1,0 +1,125 @@
+"""``/v1/embeddings`` for BERT-style encoders, through the dynamic batcher.
+
+Each input of a request is queued on its own (so inputs of different requests share
+batches) and the request answers when all of its inputs are embedded. Inputs: a
+string, a list of strings, a list of token ids, or a list of token-id lists (token ids
+are used as given: include [CLS] and [SEP]). ``encoding_format="base64"`` returns the
+float32 little-endian bytes, base64-encoded, as OpenAI does. ``dimensions`` keeps the
+first d components and re-normalises them (Matryoshka-style truncation; this model was
+not trained for it, so quality drops as d shrinks, but the caller asked for it).
+Errors: 400 for an empty or too-long input, too many inputs, bad token ids or a bad
+``dimensions`` (each naming the limit); 413, 422, 429 and 503 as on the LLM server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import torch
+from fastapi import FastAPI, Request
+
+from fivefold.batching.batcher import DynamicBatcher
+from fivefold.batching.config import BatcherConfig
+from fivefold.batching.encoder import EncoderModel, measure_auto_delay
+from fivefold.batching.metrics import BatcherMetrics
+from fivefold.errors import FivefoldError
+from fivefold.serve.app import DEFAULT_MAX_BODY_BYTES, APIError, build_base_app, check_model
+from fivefold.serve.protocol import EmbeddingRequest
+
+MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
+
+
+def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
+                         api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = build_base_app(model_name, lambda: metrics_registry, api_key, max_body_bytes)
+
+    def token_lists(req: EmbeddingRequest) -> list[list[int]]:
+        raw = req.input
+        if isinstance(raw, str):
+            raw = [raw]
+        elif raw and isinstance(raw[0], int):
+            raw = [raw]
+        if not raw:
+            raise APIError(400, "input is empty; give a string, strings, or token ids", "input")
+        if len(raw) > MAX_INPUTS_PER_REQUEST:
+            raise APIError(400, f"{len(raw)} inputs in one request; the limit is {MAX_INPUTS_PER_REQUEST}", "input")
+        lists = []
+        for i, item in enumerate(raw):
+            try:
+                if isinstance(item, str):
+                    if not item:
+                        raise FivefoldError("input is an empty string")
+                    lists.append(encoder.encode(item))
+                else:
+                    encoder.check_ids(item)
+                    lists.append(list(item))
+            except FivefoldError as exc:
+                where = "" if len(raw) == 1 else f"input[{i}]: "
+                raise APIError(400, f"{where}{exc}", "input") from None
+        return lists
+
+    def encode_vector(vector: torch.Tensor, dimensions: int | None, encoding: str):
+        if dimensions is not None and dimensions < vector.numel():
+            vector = torch.nn.functional.normalize(vector[:dimensions], dim=0)
+        if encoding == "base64":
+            return base64.b64encode(vector.float().contiguous().numpy().astype("<f4").tobytes()).decode()
+        return vector.tolist()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        check_model(req.model, model_name)
+        if req.dimensions is not None and not 1 <= req.dimensions <= encoder.hidden_size:
+            raise APIError(400, f"dimensions must be in [1, {encoder.hidden_size}], got {req.dimensions}",
+                           "dimensions")
+        lists = token_lists(req)
+        futures = [asyncio.wrap_future(f) for f in batcher.submit_many([(ids, len(ids)) for ids in lists])]
+        done = asyncio.gather(*futures)
+        while not done.done():
+            await asyncio.wait([done], timeout=0.5)
+            if not done.done() and await request.is_disconnected():
+                for f in futures:
+                    f.cancel()  # still queued: removed without running
+                await asyncio.gather(*futures, return_exceptions=True)
+                raise asyncio.CancelledError
+        try:
+            vectors = done.result()
+        except Exception:
+            for f in futures:
+                f.cancel()  # the request failed (e.g. one input timed out): drop its other inputs
+            raise
+        num_tokens = sum(len(ids) for ids in lists)
+        return {"object": "list", "model": model_name,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": encode_vector(v, req.dimensions, req.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    return app
+
+
+def sample_ids(encoder: EncoderModel, num_tokens: int = 32) -> list[int]:
+    """A ``num_tokens``-token input ([CLS] text [SEP]) cut from held-out text: the request the
+    "auto" delay is measured on (a sentence; inputs run from a few words to a paragraph)."""
+    from fivefold.data import pydoc_text
+
+    words = encoder.tokenizer.encode(pydoc_text("heldout")[:4000], add_special_tokens=False)[: num_tokens - 2]
+    hf = encoder.tokenizer.hf
+    return [hf.cls_token_id, *words, hf.sep_token_id]
+
+
+def create_embeddings_server(path, config: BatcherConfig, model_name: str, api_key: str | None = None,
+                             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log=None):
+    """(app, batcher, delay in seconds): the encoder loaded, the delay resolved, the batcher running."""
+    encoder = EncoderModel(path)
+    delay = config.max_queue_delay
+    if delay == "auto":
+        delay = measure_auto_delay(encoder.embed, sample_ids(encoder), config.auto_delay_factor)
+        if log is not None:
+            log(f"fivefold: max_queue_delay auto = {config.auto_delay_factor} x single-request forward "
+                f"({delay / config.auto_delay_factor * 1e3:.1f} ms) = {delay * 1e3:.1f} ms "
+                "(--max-queue-delay SECONDS overrides)")
+    metrics = BatcherMetrics(model_name)
+    batcher = DynamicBatcher(encoder.embed, config, delay, metrics.on_batch, metrics.on_reject)
+    app = build_embeddings_app(encoder, batcher, model_name, metrics.registry, api_key, max_body_bytes)
+    return app, batcher, delay
