@@ -144,3 +144,13 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears_(model: nn.Module) -> nn.Module:
+    """Swap every plain nn.Linear of ``model`` for a :class:`PackedLinear` (in place; no-op without oneDNN)."""
+    if PackedLinear.is_available():
+        for module in [*model.modules()]:
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+    return model

@@ -22,7 +22,7 @@ from torch import nn
 from fivefold.errors import ModelLoadError
 from fivefold.models.attention import AttentionMetadata, paged_attention
 from fivefold.models.config import ModelConfig
-from fivefold.models.layers import FusableOp, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from fivefold.models.layers import FusableOp, RMSNorm, RotaryEmbedding, SiluAndMul, pack_linears_
 
 
 class LlamaAttention(FusableOp):
@@ -169,9 +169,4 @@ class LlamaForCausalLM(nn.Module):
         The embedding keeps its dense weight for row lookups; a tied LM head gets its
         own packed copy (+vocab x hidden floats), which halves its time at batch 64.
         """
-        if not PackedLinear.is_available():
-            return
-        for module in [*self.modules()]:
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
+        pack_linears_(self)
