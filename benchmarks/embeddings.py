@@ -24,101 +24,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.batching.batcher import DynamicBatcher  # noqa: E402
 from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig  # noqa: E402
 from fivefold.batching.encoder import EncoderModel, measure_auto_delay  # noqa: E402
-from fivefold.data import pydoc_text  # noqa: E402
+from fivefold.bench.embeddings_bench import (  # noqa: E402
+    COST_BATCHES,
+    MODES,
+    closed_loop,
+    cost_rows,
+    mixed_inputs,
+    mode_config,
+)
 from fivefold.models.registry import resolve_model_path  # noqa: E402
 from fivefold.serve.embeddings import sample_ids  # noqa: E402
-
-MODES = ("off", "no buckets", "buckets")
-
-
-def mixed_inputs(encoder: EncoderModel, num: int, distribution: str, seed: int = 0) -> list[list[int]]:
-    """``num`` inputs of 5-250 tokens (special tokens included) cut from held-out text."""
-    ids = encoder.tokenizer.encode(pydoc_text("heldout"), add_special_tokens=False)
-    rng = random.Random(seed)
-    hf = encoder.tokenizer.hf
-    out = []
-    for _ in range(num):
-        if distribution == "uniform":
-            n = rng.randint(5, 250)
-        else:
-            n = int(round(math.exp(rng.uniform(math.log(5), math.log(250)))))
-        start = rng.randrange(0, len(ids) - n)
-        out.append([hf.cls_token_id, *ids[start:start + n - 2], hf.sep_token_id])
-    return out
-
-
-COST_LENGTHS = (5, 16, 64, 128, 250)
-COST_BATCHES = (1, 8, 32)
-
-
-def cost_rows(encoder: EncoderModel) -> list[dict]:
-    from fivefold.fuse.layout import median_us
-
-    rows = []
-    for n in COST_LENGTHS:
-        per_request = {}
-        for b in COST_BATCHES:
-            batch = [[1000 + (i % 997) for i in range(n)]] * b
-            per_request[b] = median_us(lambda: encoder.embed(batch), 5 if n * b > 2000 else 11) / 1e3 / b
-        rows.append({"tokens": n, "ms_per_request": per_request})
-    return rows
-
-
-def mode_config(mode: str, delay: float) -> BatcherConfig:
-    if mode == "off":
-        return BatcherConfig(max_batch_size=1, max_queue_delay=0.0, length_buckets=None, max_queued_requests=None)
-    buckets = DEFAULT_LENGTH_BUCKETS if mode == "buckets" else None
-    return BatcherConfig(max_batch_size=32, max_queue_delay=delay, length_buckets=buckets, max_queued_requests=None)
-
-
-def closed_loop(encoder: EncoderModel, config: BatcherConfig, inputs: list[list[int]], concurrency: int,
-                num_requests: int) -> dict:
-    batcher = DynamicBatcher(encoder.embed, config)
-    latencies: list[float] = []
-    counter = iter(range(num_requests))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            ids = inputs[i % len(inputs)]
-            start = time.perf_counter()
-            batcher.submit(ids, len(ids)).result()
-            with lock:
-                latencies.append(time.perf_counter() - start)
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    records = list(batcher.history)
-    batcher.shutdown()
-    latencies.sort()
-    largest = max(records, key=lambda r: r.padded_tokens)  # the largest batch: the most tokens computed
-    return {"throughput": num_requests / elapsed,
-            "p50_ms": latencies[len(latencies) // 2] * 1e3,
-            "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,
-            "mean_batch": sum(r.size for r in records) / len(records),
-            "padding_efficiency": sum(r.real_tokens for r in records) / sum(r.padded_tokens for r in records),
-            "p99_bound_ms": (config.max_queue_delay + 2 * largest.execution_time) * 1e3}
 
 
 def main() -> None:
@@ -132,6 +54,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256, help="requests per run (a quarter at concurrency 1)")
     ap.add_argument("--num-inputs", type=int, default=512)
     ap.add_argument("--lengths", default="loguniform", choices=["loguniform", "uniform"])
+    ap.add_argument("--buckets", default=",".join(map(str, DEFAULT_LENGTH_BUCKETS)), help="length bucket bounds")
+    ap.add_argument("--min-padding-efficiency", type=float, default=0.8)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-cost-table", action="store_true")
     args = ap.parse_args()
     console = Console(width=140)
     encoder = EncoderModel(resolve_model_path("all-minilm-l6-v2"))
@@ -140,7 +66,7 @@ def main() -> None:
     console.print(f"max_queue_delay auto = {delay * 1e3:.1f} ms; inputs: {len(inputs)} of "
                   f"{min(map(len, inputs))}-{max(map(len, inputs))} tokens ({args.lengths}), "
                   f"mean {sum(map(len, inputs)) / len(inputs):.0f}")
-    cost = cost_rows(encoder)
+    cost = [] if args.no_cost_table else cost_rows(encoder)
     console.print(results_table(
         "cost per request of one forward (ms), equal lengths", ("tokens", *(f"batch {b}" for b in COST_BATCHES),
                                                                f"batch {COST_BATCHES[-1]} vs 1"),
@@ -149,16 +75,20 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     rows = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("closed-loop runs", total=len(concurrencies) * len(MODES))
+        modes = args.modes.split(",")
+        buckets = tuple(int(b) for b in args.buckets.split(","))
+        task = progress.add_task("closed-loop runs", total=len(concurrencies) * len(modes))
         for c in concurrencies:
             num = max(16, args.requests // 4) if c == 1 else args.requests
-            for mode in MODES:
-                rows.append({"concurrency": c, "mode": mode, **closed_loop(encoder, mode_config(mode, delay), inputs,
-                                                                           c, num)})
+            for mode in modes:
+                config = mode_config(mode, delay, buckets, args.min_padding_efficiency)
+                result = closed_loop(encoder, config, inputs, c, num)
+                result.pop("outputs")
+                rows.append({"concurrency": c, "mode": mode, **result})
                 progress.advance(task)
     off = {r["concurrency"]: r["throughput"] for r in rows if r["mode"] == "off"}
     for r in rows:
-        r["vs_off"] = r["throughput"] / off[r["concurrency"]]
+        r["vs_off"] = r["throughput"] / off[r["concurrency"]] if r["concurrency"] in off else float("nan")
     console.print(results_table(
         f"all-MiniLM-L6-v2 embeddings, closed loop, float32, {args.lengths} 5-250 tokens",
         ("clients", "batching", "req/s", "vs off", "P50 ms", "P99 ms", "P99 bound ms", "mean batch", "padding eff."),

@@ -10,7 +10,10 @@ a time. A bucket's requests become a batch when one of these holds:
 When several buckets are ready, the one holding the oldest request goes first, so no
 request waits behind a stream of newer ones; inside a bucket, requests leave in arrival
 order. A batch takes its bucket's requests oldest first while the size and padded-token
-limits hold. Lengths past the last bucket boundary share one overflow bucket.
+limits hold; if it has room left, it is topped up with the longest requests of shorter
+buckets while real / padded tokens stays at or above ``min_padding_efficiency`` (a
+short request padded into a batch costs little; running it alone later costs a whole
+forward). Lengths past the last bucket boundary share one overflow bucket.
 
 Each request gets a ``concurrent.futures.Future`` (``submit``) or an awaitable
 (``submit_async``). Cancelling it while queued removes it (it never runs). A request
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import threading
 import time
 from collections import deque
@@ -35,6 +39,9 @@ from fivefold.batching.config import BatcherConfig
 from fivefold.errors import InvalidRequestError, OverloadedError, QueueTimeoutError
 
 
+_arrival_order = itertools.count()
+
+
 @dataclass
 class _Request:
     payload: Any
@@ -42,6 +49,7 @@ class _Request:
     arrival: float
     deadline: float | None
     future: Future = field(default_factory=Future)
+    order: int = field(default_factory=lambda: next(_arrival_order))  # breaks ties of equal arrival times
 
 
 @dataclass
@@ -185,7 +193,7 @@ class DynamicBatcher:
         ready = [b for b in self._buckets if b and (self._is_full(b) or now - b[0].arrival >= self.delay)]
         if not ready:
             return None
-        bucket = min(ready, key=lambda b: b[0].arrival)
+        bucket = min(ready, key=lambda b: b[0].order)
         batch, longest = [], 0
         while bucket and len(batch) < self.config.max_batch_size:
             longest_if_added = max(longest, bucket[0].length)
@@ -193,8 +201,25 @@ class DynamicBatcher:
                 break
             batch.append(bucket.popleft())
             longest = longest_if_added
+        self._top_up(batch, longest, self._buckets.index(bucket))
         self._num_queued -= len(batch)
         return batch
+
+    def _top_up(self, batch: list[_Request], longest: int, bucket_index: int) -> None:
+        """Add the longest requests of shorter buckets while padding efficiency and limits hold."""
+        target = self.config.min_padding_efficiency
+        if not target or not self._boundaries:
+            return
+        real = sum(r.length for r in batch)
+        for shorter in reversed(self._buckets[:bucket_index]):
+            for r in sorted(shorter, key=lambda r: -r.length):
+                if len(batch) >= self.config.max_batch_size or longest * (len(batch) + 1) > self.config.max_batch_tokens:
+                    return
+                if (real + r.length) / (longest * (len(batch) + 1)) < target:
+                    return  # the rest are shorter still
+                shorter.remove(r)
+                batch.append(r)
+                real += r.length
 
     def _wait_time(self) -> float | None:
         deadlines = [b[0].arrival + self.delay for b in self._buckets if b]

@@ -24,6 +24,8 @@ class BatcherConfig:
     request in one bucket (no bucketing).
     max_queued_requests: beyond it, new requests are refused (HTTP 429); None: no limit.
     request_timeout: seconds a request may wait in the queue (HTTP 503 after); None: no limit.
+    min_padding_efficiency: a batch with room left takes requests from shorter buckets while
+    real / padded tokens stays at least this; 0 turns the top-up off.
     """
 
     max_batch_size: int = 32
@@ -33,6 +35,7 @@ class BatcherConfig:
     max_queued_requests: int | None = 1024
     request_timeout: float | None = None
     auto_delay_factor: float = 0.3
+    min_padding_efficiency: float = 0.8
     history_size: int = 4096  # executed batches kept in memory for stats()
 
     def __post_init__(self) -> None:
@@ -50,5 +53,7 @@ class BatcherConfig:
             raise FivefoldError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise FivefoldError(f"request_timeout must be positive, got {self.request_timeout}")
+        if not 0 <= self.min_padding_efficiency <= 1:
+            raise FivefoldError(f"min_padding_efficiency must be in [0, 1], got {self.min_padding_efficiency}")
         if not 0 < self.auto_delay_factor <= 10:
             raise FivefoldError(f"auto_delay_factor must be in (0, 10], got {self.auto_delay_factor}")

@@ -39,6 +39,7 @@ class DemoSizes:
     profile_seq: int
     eval_windows: int  # held-out 256-token windows for the perplexity of the quantization rows
     cnn_image_size: int = 224  # input of the CNN fusion rows (ResNet-18, MobileNet-V2 at batch 1)
+    embedding_requests: int = 256  # per closed-loop run of the dynamic-batching row (32 clients)
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
@@ -131,6 +132,29 @@ def _with_engine(config: dict, **changes) -> dict:
     return {**config, "engine": {**config["engine"], **changes}}
 
 
+def _dynamic_batching_row(num_requests: int, console) -> LeverRow:
+    """Embeddings of all-MiniLM-L6-v2, 32 closed-loop clients, inputs of 5-250 tokens:
+    batching off vs the dynamic batcher with length buckets (benchmarks/embeddings.py has all modes)."""
+    import torch
+
+    from fivefold.batching.config import BatcherConfig
+    from fivefold.batching.encoder import EncoderModel, measure_auto_delay
+    from fivefold.bench.embeddings_bench import closed_loop, mixed_inputs, mode_config
+    from fivefold.models.registry import resolve_model_path
+    from fivefold.serve.embeddings import sample_ids
+
+    console.print("  running: dynamic batching of embeddings, off vs length buckets ...")
+    encoder = EncoderModel(resolve_model_path("all-minilm-l6-v2"))
+    inputs = mixed_inputs(encoder, 256, "loguniform")
+    delay = measure_auto_delay(encoder.embed, sample_ids(encoder), BatcherConfig().auto_delay_factor)
+    off, on = (closed_loop(encoder, mode_config(mode, delay), inputs, 32, num_requests) for mode in ("off", "buckets"))
+    common = sorted(set(off["outputs"]) & set(on["outputs"]))
+    cosine = min(float(torch.dot(off["outputs"][i], on["outputs"][i])) for i in common)
+    return LeverRow("4 scheduling", "dynamic batching, length buckets: off -> on (MiniLM embeddings, 32 clients, "
+                    "5-250 tokens)", "requests/s", off["throughput"], on["throughput"], True,
+                    f"none: min cosine {cosine:.6f}; padding efficiency {on['padding_efficiency']:.0%}")
+
+
 def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
     """``fuse`` (BN folding, oneDNN post-ops, channels_last) on the reference CNNs at batch 1.
 
@@ -216,6 +240,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     no_cache = make_config(model, workload="shared-prefix", num_requests=sizes.prefix_requests, input_len=32,
                            output_len=4, prefix_len=sizes.prefix_len, enable_prefix_caching=False,
                            kv_cache_memory=KV_CACHE_BYTES)
+    rows.append(_dynamic_batching_row(sizes.embedding_requests, console))
     cached = _with_engine(no_cache, enable_prefix_caching=True)
     rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
                            "mean TTFT (ms)", ("ttft_s", "mean"), no_cache, cached, False, "prefix cache"))

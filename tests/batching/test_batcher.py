@@ -178,3 +178,17 @@ def test_config_is_validated():
         BatcherConfig(length_buckets=(32, 16))
     with pytest.raises(FivefoldError, match="max_batch_size must be >= 1"):
         BatcherConfig(max_batch_size=0)
+
+
+def test_room_left_is_topped_up_from_shorter_buckets_within_the_padding_target():
+    model = FakeModel(hold_first=True)
+    batcher = _batcher(model, delay=0.0, max_batch_size=8, length_buckets=(16, 64), min_padding_efficiency=0.7)
+    first = _hold(model, batcher)
+    futures = batcher.submit_many([(n, n) for n in (60, 14, 58, 13, 3)])
+    model.release()
+    for f in [first, *futures]:
+        f.result(5)
+    # (60 + 58 + 14) / (3 x 60) = 0.73 >= 0.7; adding 13 would give 0.60, so it waits.
+    assert model.batches[1:] == [[60, 58, 14], [13, 3]]
+    assert [round(r.real_tokens / r.padded_tokens, 2) for r in list(batcher.history)[1:]] == [0.73, 0.62]
+    batcher.shutdown()

@@ -61,7 +61,8 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     from rich.console import Console
 
     sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
-                      output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32)
+                      output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32,
+                      embedding_requests=48)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
                        sizes=sizes)
@@ -71,7 +72,9 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     # Speed levers do not change greedy tokens; quantization reports its perplexity cost.
     engine_rows = [r for r in measured if r["runs"]]
     assert all(r["accuracy"] == "none: greedy tokens identical" for r in engine_rows if r["lever"] != "3 quantization")
-    cnn = [r for r in measured if not r["runs"]]  # fx fusion of the reference CNNs, eager vs fused latency
+    batching = [r for r in measured if r["change"].startswith("dynamic batching")]
+    assert len(batching) == 1 and float(batching[0]["accuracy"].split("min cosine ")[1].split(";")[0]) > 0.99999
+    cnn = [r for r in measured if not r["runs"] and r not in batching]  # fx fusion of the CNNs
     assert [r["change"].split(":")[0] for r in cnn] == ["resnet18", "mobilenet_v2"]
     assert all(r["accuracy"].startswith("none: max |diff|") and float(r["accuracy"].split()[-1]) < 1e-5 for r in cnn)
     assert any("hot path" in r["change"] for r in engine_rows)

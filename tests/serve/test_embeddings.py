@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,3 +169,19 @@ def test_overload_is_429_and_queue_timeout_503():
         gate.set()
         assert running.result(20).status_code == 200
     batcher.shutdown()
+
+
+def test_fivefold_serve_runs_an_encoder_with_auto_delay():
+    from tests.serve.conftest import serve_process
+
+    with serve_process("--model", NAME, "--max-batch-size", "16") as (proc, url):
+        r = httpx.post(url + "/v1/embeddings", json={"input": ["hello world", "a second input"]}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"]) == 2
+        assert len(r.json()["data"][0]["embedding"]) == 384
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 404
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "max_queue_delay auto = 0.3 x single-request forward" in err
+    bad = subprocess.run([sys.executable, "-m", "fivefold", "serve", "--model", NAME, "--max-queue-delay", "soon"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: --max-queue-delay must be 'auto' or seconds, got 'soon'"
