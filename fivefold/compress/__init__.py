@@ -1,0 +1,1 @@
+"""Lever 1, structure: pruning (unstructured and structured) and knowledge distillation."""
