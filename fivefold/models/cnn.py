@@ -129,7 +129,7 @@ class DigitsResNet(nn.Module):
     a strided block to 2 x ``width`` (4x4) and one more, global average pool, linear.
     Trained here in well under a minute; the model the structure lever is shown on."""
 
-    def __init__(self, width: int = 64, num_classes: int = 10) -> None:
+    def __init__(self, width: int = 96, num_classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
