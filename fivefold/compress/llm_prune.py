@@ -1,0 +1,153 @@
+"""Structured pruning of Llama-family decoders, and writing the result as an HF directory.
+
+- MLP neurons: neuron j of a layer is row j of gate, row j of up and column j of down;
+  removing it removes all three. Every layer keeps the same number (``intermediate_size``
+  is one number in the config), chosen per layer by importance: ``l2`` (the product of
+  the three slices' norms, a proxy for the neuron's output size) or ``taylor`` (|sum of
+  w x dL/dw| over the three slices, from a loss on calibration text).
+- Attention heads: whole GQA groups (a KV head with its query heads), Q/K/V rows and
+  O columns together, importance by the slices' L2 norms; every layer keeps the same count.
+
+The pruned model is an ordinary checkpoint: ``save_hf_directory`` writes config.json
+with the new sizes, the weights under transformers' names and the tokenizer, and both
+``load_model`` (so the engine, ``generate`` and ``serve``) and transformers load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fivefold.errors import FivefoldError
+
+LLM_IMPORTANCES = ("l2", "taylor")
+
+
+def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = getattr(linear, "bias", None)
+    return linear.weight.detach(), None if bias is None else bias.detach()
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if bias is not None:
+            out.bias.copy_(bias)
+    return out
+
+
+def _with_config(loaded, model, **changes):
+    config = dataclasses.replace(loaded.config, **changes)
+    model.config = config
+    for layer in model.layers:
+        layer.self_attn.config = config
+        layer.self_attn.num_heads, layer.self_attn.num_kv_heads = config.num_heads, config.num_kv_heads
+    return dataclasses.replace(loaded, config=config)
+
+
+def _taylor_grads(loaded, loss_fn) -> dict[str, torch.Tensor]:
+    model = loaded.model
+    with torch.enable_grad():
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.zero_grad()
+        loss_fn(model).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return grads
+
+
+def prune_mlp_neurons_(loaded, ratio: float, importance: str = "l2",
+                       loss_fn: Callable[[nn.Module], torch.Tensor] | None = None):
+    """Remove ``ratio`` of every layer's MLP neurons in place; returns the LoadedModel with the new config."""
+    if not 0 <= ratio < 1:
+        raise FivefoldError(f"MLP pruning ratio must be in [0, 1), got {ratio}")
+    if importance not in LLM_IMPORTANCES:
+        raise FivefoldError(f"importance must be one of {', '.join(LLM_IMPORTANCES)}, got '{importance}'")
+    if importance == "taylor" and loss_fn is None:
+        raise FivefoldError("importance 'taylor' needs a loss_fn(model) on calibration text")
+    inter = loaded.config.intermediate_size
+    num_keep = inter - int(inter * ratio)
+    grads = _taylor_grads(loaded, loss_fn) if importance == "taylor" else None
+    for i, layer in enumerate(loaded.model.layers):
+        mlp = layer.mlp
+        gate_up, gate_up_bias = _dense(mlp.gate_up_proj)
+        down, down_bias = _dense(mlp.down_proj)
+        gate, up = gate_up[:inter], gate_up[inter:]
+        if grads is None:
+            score = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
+        else:
+            g_gu, g_d = grads[f"layers.{i}.mlp.gate_up_proj.weight"], grads[f"layers.{i}.mlp.down_proj.weight"]
+            score = ((gate * g_gu[:inter]).sum(1) + (up * g_gu[inter:]).sum(1) + (down * g_d).sum(0)).abs()
+        keep = score.topk(num_keep).indices.sort().values
+        rows = torch.cat([keep, keep + inter])
+        mlp.gate_up_proj = _linear(gate_up[rows], None if gate_up_bias is None else gate_up_bias[rows])
+        mlp.down_proj = _linear(down[:, keep], down_bias)
+    return _with_config(loaded, loaded.model, intermediate_size=num_keep)
+
+
+def prune_attention_groups_(loaded, num_groups: int):
+    """Remove ``num_groups`` KV groups (each KV head with its query heads) from every layer, in place."""
+    c = loaded.config
+    if not 0 <= num_groups < c.num_kv_heads:
+        raise FivefoldError(f"can remove 0 to {c.num_kv_heads - 1} of {c.num_kv_heads} KV groups, got {num_groups}")
+    group, d = c.num_heads // c.num_kv_heads, c.head_dim
+    keep_groups = c.num_kv_heads - num_groups
+    for layer in loaded.model.layers:
+        attn = layer.self_attn
+        qkv, qkv_bias = _dense(attn.qkv_proj)
+        o, o_bias = _dense(attn.o_proj)
+
+        def rows_of(g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q = torch.arange(g * group * d, (g + 1) * group * d)
+            k = c.q_size + torch.arange(g * d, (g + 1) * d)
+            return q, k, k + c.kv_size
+
+        score = torch.stack([qkv[torch.cat(rows_of(g))].norm() * o[:, rows_of(g)[0]].norm()
+                             for g in range(c.num_kv_heads)])
+        kept = score.topk(keep_groups).indices.sort().values.tolist()
+        q_rows = torch.cat([rows_of(g)[0] for g in kept])
+        k_rows = torch.cat([rows_of(g)[1] for g in kept])
+        v_rows = torch.cat([rows_of(g)[2] for g in kept])
+        rows = torch.cat([q_rows, k_rows, v_rows])
+        attn.qkv_proj = _linear(qkv[rows], None if qkv_bias is None else qkv_bias[rows])
+        attn.o_proj = _linear(o[:, q_rows], o_bias)
+    return _with_config(loaded, loaded.model, num_heads=keep_groups * group, num_kv_heads=keep_groups)
+
+
+def save_hf_directory(loaded, out_dir: str | Path, extra_config: dict | None = None) -> Path:
+    """Write ``loaded`` as a Hugging Face directory (config.json, model.safetensors, tokenizer),
+    Q/K/V and gate/up split back into transformers' tensors."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = loaded.config
+    state = {}
+    for name, tensor in loaded.model.state_dict().items():
+        tensor = tensor.detach().contiguous()
+        if ".qkv_proj." in name:
+            q, k, v = tensor.split([c.q_size, c.kv_size, c.kv_size])
+            for part, t in zip("qkv", (q, k, v)):
+                state["model." + name.replace("qkv_proj", f"{part}_proj")] = t.contiguous()
+        elif ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2)
+            state["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            state["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        elif name.startswith("lm_head"):
+            if not c.is_tied_embeddings:
+                state[name] = tensor
+        elif not name.startswith("rotary"):
+            state["model." + name] = tensor
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**c.to_hf_dict(), **(extra_config or {})}, indent=2))
+    loaded.tokenizer.hf.save_pretrained(str(out))
+    return out
