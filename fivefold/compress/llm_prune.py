@@ -2,9 +2,14 @@
 
 - MLP neurons: neuron j of a layer is row j of gate, row j of up and column j of down;
   removing it removes all three. Every layer keeps the same number (``intermediate_size``
-  is one number in the config), chosen per layer by importance: ``l2`` (the product of
-  the three slices' norms, a proxy for the neuron's output size) or ``taylor`` (|sum of
-  w x dL/dw| over the three slices, from a loss on calibration text).
+  is one number in the config), chosen per layer by importance:
+  ``activation`` (default): mean |silu(gate) x up| of the neuron over calibration text
+  times the norm of its down column, i.e. how much it actually writes (as Wanda scores
+  weights); ``l2``: the product of the three slices' norms, data-free; ``taylor``:
+  |sum of w x dL/dw| over the three slices, dL from next-token loss on calibration text.
+  Measured on SmolLM2 (4 held-out windows): 25% pruned by ``activation`` raises
+  perplexity 8.91 -> 11.92; by ``l2`` to 714,000. SmolLM2 has a few neurons with massive
+  activations and ordinary weight norms, and the data-free score removes them.
 - Attention heads: whole GQA groups (a KV head with its query heads), Q/K/V rows and
   O columns together, importance by the slices' L2 norms; every layer keeps the same count.
 
@@ -15,17 +20,45 @@ with the new sizes, the weights under transformers' names and the tokenizer, and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 from fivefold.errors import FivefoldError
+from fivefold.models.attention import AttentionMetadata
 
-LLM_IMPORTANCES = ("l2", "taylor")
+LLM_IMPORTANCES = ("activation", "l2", "taylor")
+BLOCK = 16
+
+
+def make_trainable_(model: nn.Module) -> nn.Module:
+    """Parameters loaded under inference mode become ordinary trainable ones (ties kept);
+    the fused C++ hot-path kernels have no backward, so the eager path is used."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in seen:
+                seen[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=True)
+            setattr(module, name, seen[id(p)])
+    model.set_fused_ops(False)
+    return model
+
+
+def train_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits [T, vocab] of one sequence with autograd (a single prefill, no KV reuse)."""
+    num_tokens = ids.numel()
+    num_blocks = -(-num_tokens // BLOCK)
+    c = model.config
+    meta = AttentionMetadata(query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                             slot_mapping=torch.arange(num_tokens), block_tables=torch.arange(num_blocks)[None, :],
+                             block_size=BLOCK)
+    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, BLOCK, c.head_dim, dtype=model.dtype)
+              for _ in range(c.num_layers)]
+    return model.compute_logits(model(ids, torch.arange(num_tokens), meta, caches))
 
 
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -51,38 +84,54 @@ def _with_config(loaded, model, **changes):
     return dataclasses.replace(loaded, config=config)
 
 
-def _taylor_grads(loaded, loss_fn) -> dict[str, torch.Tensor]:
-    model = loaded.model
-    with torch.enable_grad():
-        for p in model.parameters():
-            p.requires_grad_(True)
-        model.zero_grad()
-        loss_fn(model).backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad()
-        for p in model.parameters():
-            p.requires_grad_(False)
-    return grads
+def _taylor_grads(loaded, calibration: list[list[int]]) -> dict[str, torch.Tensor]:
+    """dL/dW of the next-token loss over ``calibration``, on a trainable copy of the model."""
+    model = make_trainable_(copy.deepcopy(loaded.model))
+    for ids in calibration:
+        ids = torch.tensor(ids)
+        torch.nn.functional.cross_entropy(train_logits(model, ids)[:-1], ids[1:]).backward()
+    return {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def prune_mlp_neurons_(loaded, ratio: float, importance: str = "l2",
-                       loss_fn: Callable[[nn.Module], torch.Tensor] | None = None):
-    """Remove ``ratio`` of every layer's MLP neurons in place; returns the LoadedModel with the new config."""
+def _mean_activations(loaded, calibration: list[list[int]]) -> list[torch.Tensor]:
+    """Mean |silu(gate) x up| per MLP neuron of every layer over the calibration tokens."""
+    from fivefold.quant.evaluate import sequence_logits
+
+    sums = [torch.zeros(loaded.config.intermediate_size) for _ in loaded.model.layers]
+    hooks = [layer.mlp.act.register_forward_hook(lambda m, inp, out, i=i: sums[i].add_(out.abs().sum(0)))
+             for i, layer in enumerate(loaded.model.layers)]
+    try:
+        for ids in calibration:
+            sequence_logits(loaded.model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    num_tokens = sum(len(ids) for ids in calibration)
+    return [s / num_tokens for s in sums]
+
+
+def prune_mlp_neurons_(loaded, ratio: float, importance: str = "activation",
+                       calibration: list[list[int]] | None = None):
+    """Remove ``ratio`` of every layer's MLP neurons in place; returns the LoadedModel with the new config.
+    ``calibration``: token windows for the ``activation`` and ``taylor`` importances."""
     if not 0 <= ratio < 1:
         raise FivefoldError(f"MLP pruning ratio must be in [0, 1), got {ratio}")
     if importance not in LLM_IMPORTANCES:
         raise FivefoldError(f"importance must be one of {', '.join(LLM_IMPORTANCES)}, got '{importance}'")
-    if importance == "taylor" and loss_fn is None:
-        raise FivefoldError("importance 'taylor' needs a loss_fn(model) on calibration text")
+    if importance != "l2" and not calibration:
+        raise FivefoldError(f"importance '{importance}' needs calibration text (token windows)")
     inter = loaded.config.intermediate_size
     num_keep = inter - int(inter * ratio)
-    grads = _taylor_grads(loaded, loss_fn) if importance == "taylor" else None
+    grads = _taylor_grads(loaded, calibration) if importance == "taylor" else None
+    activations = _mean_activations(loaded, calibration) if importance == "activation" else None
     for i, layer in enumerate(loaded.model.layers):
         mlp = layer.mlp
         gate_up, gate_up_bias = _dense(mlp.gate_up_proj)
         down, down_bias = _dense(mlp.down_proj)
         gate, up = gate_up[:inter], gate_up[inter:]
-        if grads is None:
+        if activations is not None:
+            score = activations[i] * down.norm(dim=0)
+        elif grads is None:
             score = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
         else:
             g_gu, g_d = grads[f"layers.{i}.mlp.gate_up_proj.weight"], grads[f"layers.{i}.mlp.down_proj.weight"]

@@ -24,7 +24,7 @@ def test_ratio_zero_is_identical(tmp_path):
     save_random_hf_model("llama", tmp_path)
     loaded = load_model(str(tmp_path))
     before = _logits(loaded)
-    pruned = prune_mlp_neurons_(copy.deepcopy(loaded), 0.0)
+    pruned = prune_mlp_neurons_(copy.deepcopy(loaded), 0.0, "activation", [IDS])
     assert pruned.config.intermediate_size == loaded.config.intermediate_size
     assert torch.equal(_logits(pruned), before)
 
@@ -37,7 +37,7 @@ def test_pruned_directory_loads_in_transformers_and_generates_in_the_engine(arch
 
     save_random_hf_model(arch, tmp_path / "orig")
     loaded = load_model(str(tmp_path / "orig"))
-    pruned = prune_mlp_neurons_(loaded, 0.5)
+    pruned = prune_mlp_neurons_(loaded, 0.5, "activation", [IDS])
     pruned = prune_attention_groups_(pruned, 1)
     c = pruned.config
     assert (c.intermediate_size, c.num_heads, c.num_kv_heads) == (80, 2, 1)
@@ -65,12 +65,27 @@ def test_least_important_neuron_goes_first_and_bad_ratios_are_refused(tmp_path):
     with torch.inference_mode():
         loaded.model.layers[0].mlp.gate_up_proj.weight[7].zero_()  # neuron 7's gate row
     down_before = loaded.model.layers[0].mlp.down_proj.weight.clone()
-    pruned = prune_mlp_neurons_(loaded, 1 / inter)
+    pruned = prune_mlp_neurons_(loaded, 1 / inter, "l2")
     kept = [j for j in range(inter) if j != 7]
     assert torch.equal(pruned.model.layers[0].mlp.down_proj.weight, down_before[:, kept])
     with pytest.raises(FivefoldError, match="ratio must be in \\[0, 1\\)"):
         prune_mlp_neurons_(pruned, 1.0)
     with pytest.raises(FivefoldError, match="can remove 0 to 1 of 2 KV groups"):
         prune_attention_groups_(pruned, 2)
-    with pytest.raises(FivefoldError, match="needs a loss_fn"):
+    with pytest.raises(FivefoldError, match="importance 'taylor' needs calibration text"):
         prune_mlp_neurons_(pruned, 0.2, "taylor")
+
+
+@pytest.mark.parametrize("importance", ["activation", "taylor"])
+def test_data_driven_importances_drop_a_dead_neuron_first(importance, tmp_path):
+    save_random_hf_model("llama", tmp_path)
+    loaded = load_model(str(tmp_path))
+    inter = loaded.config.intermediate_size
+    with torch.inference_mode():
+        for layer in loaded.model.layers:  # neuron 11 never fires: its up row is zero
+            layer.mlp.gate_up_proj.weight[inter + 11].zero_()
+    downs = [layer.mlp.down_proj.weight.clone() for layer in loaded.model.layers]
+    pruned = prune_mlp_neurons_(loaded, 1 / inter, importance, [IDS, IDS[::-1]])
+    kept = [j for j in range(inter) if j != 11]
+    for layer, down in zip(pruned.model.layers, downs):
+        assert torch.equal(layer.mlp.down_proj.weight, down[:, kept])

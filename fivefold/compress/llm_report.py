@@ -1,0 +1,83 @@
+"""The structure lever on an LLM: MLP neurons pruned, with and without a short KD heal.
+
+Token-level KD: the original model is the teacher; the pruned one is trained for a few
+steps on windows of the calibration text to match the teacher's next-token distribution
+(temperature schedule 2 -> 1, soft term only), then evaluated on held-out text. Decode
+speed is the engine's single-stream decode tokens/s (best of 2), in the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from fivefold.compress.distill import kd_loss, temperature_at
+from fivefold.compress.llm_prune import make_trainable_, prune_mlp_neurons_, train_logits
+
+
+def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: int, lr: float = 3e-5,
+             t_start: float = 2.0, t_end: float = 1.0, log=None) -> None:
+    """``steps`` of token-level KD of the student towards the teacher on ``windows`` (in place)."""
+    student = make_trainable_(student_loaded.model)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        ids = torch.tensor(windows[step % len(windows)])
+        with torch.inference_mode():
+            teacher_logits = train_logits(teacher_loaded.model, ids).clone()
+        t = temperature_at(step, steps, t_start, t_end, "cosine")
+        loss = kd_loss(train_logits(student, ids), teacher_logits, None, t, 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log is not None and (step % 10 == 0 or step == steps - 1):
+            log(f"  KD heal step {step + 1}/{steps}: T {t:.2f}, loss {loss.item():.4f}")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    student.set_fused_ops(True)
+
+
+def decode_tok_s(loaded, model_name: str) -> float:
+    from fivefold.bench.offline_bench import make_config, run_offline
+
+    config = make_config(model_name, workload="throughput", num_requests=1, input_len=64, output_len=64,
+                         kv_cache_memory=float(256 << 20))
+    return max(run_offline(config, loaded, show_progress=False)["decode_tok_s"] for _ in range(2))
+
+
+def run_llm_report(model_name: str = "smollm2-135m-instruct", ratio: float = 0.25, heal_steps: int = 40,
+                   num_eval: int = 8, window: int = 256, console=None) -> dict:
+    from fivefold.bench.report import results_table
+    from fivefold.models import load_model
+    from fivefold.quant.evaluate import perplexity, text_windows
+
+    log = console.print if console is not None else print
+    original = load_model(model_name, "float32")
+    heldout = text_windows(original.tokenizer, "heldout", num_eval, window)
+    calibration = text_windows(original.tokenizer, "calibration", max(heal_steps, 1), window)
+    pruned = prune_mlp_neurons_(copy.deepcopy(original), ratio, "activation", calibration[:8])
+    healed = copy.deepcopy(pruned)
+    if heal_steps:
+        start = time.perf_counter()
+        kd_heal_(healed, original, calibration, heal_steps, log=log)
+        heal_s = time.perf_counter() - start
+    rows = []
+    for name, loaded in (("original", original), (f"{ratio:.0%} MLP neurons pruned", pruned),
+                         (f"{ratio:.0%} pruned + KD heal ({heal_steps} steps)", healed)):
+        if name.endswith("(0 steps)"):
+            continue
+        ppl = perplexity(loaded.model, heldout)
+        rows.append({"variant": name, "parameters": loaded.config.num_parameters(), "perplexity": ppl,
+                     "decode_tok_s": decode_tok_s(loaded, model_name)})
+    for r in rows:
+        r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1
+        r["speedup"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+    if console is not None:
+        console.print(results_table(
+            f"{model_name}: structured MLP pruning vs the original ({num_eval} held-out {window}-token windows)",
+            ("variant", "params", "held-out ppl", "ppl change", "decode tok/s", "speed-up"),
+            [(r["variant"], f"{r['parameters'] / 1e6:.1f}M", f"{r['perplexity']:.3f}",
+              f"{r['perplexity_change']:+.1%}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.2f}x") for r in rows]))
+    return {"model": model_name, "ratio": ratio, "heal_steps": heal_steps,
+            "heal_seconds": heal_s if heal_steps else 0.0, "rows": rows}
