@@ -172,6 +172,38 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--no-channels-last", action="store_true")
     fz.add_argument("--no-align", action="store_true", help="do not time packed/padded layouts for linears")
 
+    pr = sub.add_parser("prune", help="structured (or unstructured) pruning, measured against the original, "
+                                      "written as a model directory")
+    pr.add_argument("--model", default="digits-resnet", help="digits-resnet, or an LLM (built-in name, HF dir, GGUF)")
+    pr.add_argument("--out", required=True, help="output directory")
+    pr.add_argument("--ratio", type=float, default=None,
+                    help="digits: channels removed per group (default 0.5); LLM: MLP neurons (default 0.25)")
+    pr.add_argument("--importance", default=None, choices=["l1", "l2", "bn", "taylor", "activation"],
+                    help="digits: l1 (default), l2, bn, taylor; LLM: activation (default), l2, taylor")
+    pr.add_argument("--finetune-epochs", type=int, default=5, help="digits: fine-tuning after pruning")
+    pr.add_argument("--iterative", action="store_true", help="digits: raise the ratio until --budget is crossed")
+    pr.add_argument("--budget", type=float, default=1.0, help="digits: accuracy points the schedule may lose")
+    pr.add_argument("--sensitivity", action="store_true", help="digits: per-group scan, table + sensitivity.json")
+    pr.add_argument("--unstructured", type=float, default=None, metavar="SPARSITY",
+                    help="digits: global magnitude pruning to this sparsity instead of channels")
+    pr.add_argument("--attention-groups", type=int, default=0, help="LLM: KV groups removed per layer")
+    pr.add_argument("--heal-steps", type=int, default=0, help="LLM: token-level KD steps from the original")
+    pr.add_argument("--num-calibration", type=int, default=8, help="LLM: calibration windows for importance")
+    pr.add_argument("--num-eval", type=int, default=8, help="LLM: held-out windows for perplexity")
+    pr.add_argument("--window", type=int, default=256)
+
+    ds = sub.add_parser("distill", help="knowledge distillation into a smaller student, measured against the teacher")
+    ds.add_argument("--teacher", default="digits-resnet",
+                    help="digits-resnet (student: half width) or an LLM (student: every other layer)")
+    ds.add_argument("--out", required=True)
+    ds.add_argument("--steps", type=int, default=0, help="training steps (0: 12 epochs for digits, 40 for LLMs)")
+    ds.add_argument("--alpha", type=float, default=0.7, help="weight of the soft targets (1 - alpha: hard labels)")
+    ds.add_argument("--t-start", type=float, default=4.0)
+    ds.add_argument("--t-end", type=float, default=1.0)
+    ds.add_argument("--schedule", default="cosine", choices=["constant", "linear", "cosine"])
+    ds.add_argument("--num-eval", type=int, default=8)
+    ds.add_argument("--window", type=int, default=256)
+
     demo = sub.add_parser("demo", help="profile, then one lever at a time, measured: the five-lever table")
     demo.add_argument("--model", default=DEFAULT_LLM)
     demo.add_argument("--full", action="store_true", help="larger workloads (the default is the quick mode)")
@@ -464,6 +496,33 @@ def cmd_fuse(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    from rich.console import Console
+
+    from fivefold.compress.jobs import DIGITS, PruneJob, run_prune
+
+    if min(args.finetune_epochs, args.num_calibration, args.num_eval, args.window, args.heal_steps,
+           args.attention_groups) < 0 or min(args.num_calibration, args.num_eval, args.window) < 1:
+        raise FivefoldError("--num-calibration, --num-eval and --window must be >= 1; epochs, steps and groups >= 0")
+    ratio = args.ratio if args.ratio is not None else (0.5 if args.model == DIGITS else 0.25)
+    run_prune(PruneJob(args.model, args.out, ratio, args.importance, args.finetune_epochs, args.iterative,
+                       args.budget, args.sensitivity, args.unstructured, args.attention_groups, args.heal_steps,
+                       args.num_calibration, args.num_eval, args.window), Console(width=140))
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from rich.console import Console
+
+    from fivefold.compress.jobs import DistillJob, run_distill
+
+    if args.steps < 0 or args.num_eval < 1 or args.window < 2:
+        raise FivefoldError("--steps must be >= 0, --num-eval >= 1 and --window >= 2")
+    run_distill(DistillJob(args.teacher, args.out, args.steps, args.alpha, args.t_start, args.t_end, args.schedule,
+                           args.num_eval, args.window), Console(width=140))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from fivefold.bench.demo import run_demo
 
@@ -492,7 +551,8 @@ def cmd_bench(args) -> int:
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
             "runs": cmd_runs, "profile": cmd_profile,
-            "demo": cmd_demo, "quantize": cmd_quantize, "fuse": cmd_fuse}
+            "demo": cmd_demo, "quantize": cmd_quantize, "fuse": cmd_fuse,
+            "prune": cmd_prune, "distill": cmd_distill}
 
 
 def main(argv: list[str] | None = None) -> int:

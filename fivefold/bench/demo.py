@@ -40,6 +40,7 @@ class DemoSizes:
     eval_windows: int  # held-out 256-token windows for the perplexity of the quantization rows
     cnn_image_size: int = 224  # input of the CNN fusion rows (ResNet-18, MobileNet-V2 at batch 1)
     embedding_requests: int = 256  # per closed-loop run of the dynamic-batching row (32 clients)
+    digits_epochs: int = 12  # training of the digits ResNet the structure rows prune and distill
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
@@ -130,6 +131,47 @@ class _Runner:
 
 def _with_engine(config: dict, **changes) -> dict:
     return {**config, "engine": {**config["engine"], **changes}}
+
+
+def _structure_rows(epochs: int, console) -> list[LeverRow]:
+    """The digits ResNet (trained here): 50% of channels pruned + fine-tuning, and a half-width
+    student distilled from it; batch-1 latency against the original (fivefold prune/distill)."""
+    import torch
+
+    from fivefold.compress.digits_report import add_latencies, measure
+    from fivefold.compress.distill import DistillConfig, distill
+    from fivefold.compress.structured import prune_channels
+    from fivefold.models.cnn import DigitsResNet
+    from fivefold.quant.digits import load_digits_split, train
+
+    console.print("  running: digits ResNet, pruning and distillation ...")
+    torch.manual_seed(0)
+    data = load_digits_split()
+    teacher = train(DigitsResNet(96), data.train, epochs)
+    x = data.calibration[0][:1]
+    pruned = train(prune_channels(teacher, (x,), 0.5), data.train, max(1, epochs // 2), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+
+    def batches(step: int):
+        idx = torch.randint(0, len(data.train[1]), (64,), generator=gen)
+        return data.train[0][idx], data.train[1][idx]
+
+    steps = epochs * -(-len(data.train[1]) // 64)
+    student = distill(DigitsResNet(48), teacher, batches, DistillConfig(steps=steps))
+    rows = [measure(n, m, data) for n, m in (("original", teacher), ("pruned", pruned), ("student", student))]
+    add_latencies(rows, data.test[0][:1])
+    original = rows[0]
+
+    def accuracy_cost(row) -> str:
+        return (f"test accuracy {original['test_accuracy']:.2f} -> {row['test_accuracy']:.2f} "
+                f"({row['test_accuracy'] - original['test_accuracy']:+.2f} points)")
+
+    return [LeverRow("1 structure", f"digits ResNet: 50% of channels pruned (L1) + fine-tune, "
+                     f"{original['mflops']:.0f} -> {rows[1]['mflops']:.0f} MFLOPs", "latency us, batch 1",
+                     original["latency_us"], rows[1]["latency_us"], False, accuracy_cost(rows[1])),
+            LeverRow("1 structure", f"digits ResNet: half-width student distilled (T 4 -> 1, {steps} steps)",
+                     "latency us, batch 1", original["latency_us"], rows[2]["latency_us"], False,
+                     accuracy_cost(rows[2]))]
 
 
 def _dynamic_batching_row(num_requests: int, console) -> LeverRow:
@@ -230,7 +272,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
                            "decode tok/s", ("decode_tok_s",), single, _with_engine(single, hot_path="fused"), True,
                            "fused hot path"))
     rows += _cnn_fusion_rows(sizes.cnn_image_size, console)
-    rows.append(LeverRow("1 structure", "pruning, distillation", "", status="issue 9: not landed yet"))
+    rows += _structure_rows(sizes.digits_epochs, console)
     one_at_a_time = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
                                 input_len=sizes.input_len, output_len=sizes.output_len, max_num_seqs=1,
                                 kv_cache_memory=KV_CACHE_BYTES)

@@ -172,6 +172,13 @@ def prune_attention_groups_(loaded, num_groups: int):
     return _with_config(loaded, loaded.model, num_heads=keep_groups * group, num_kv_heads=keep_groups)
 
 
+def every_other_layer_student(loaded):
+    """A copy of ``loaded`` keeping decoder layers 0, 2, 4, ... (DistilBERT's initialisation)."""
+    student = copy.deepcopy(loaded)
+    student.model.layers = nn.ModuleList(list(student.model.layers)[::2])
+    return _with_config(student, student.model, num_layers=len(student.model.layers))
+
+
 def save_hf_directory(loaded, out_dir: str | Path, extra_config: dict | None = None) -> Path:
     """Write ``loaded`` as a Hugging Face directory (config.json, model.safetensors, tokenizer),
     Q/K/V and gate/up split back into transformers' tensors."""

@@ -18,8 +18,9 @@ from fivefold.compress.llm_prune import make_trainable_, prune_mlp_neurons_, tra
 
 
 def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: int, lr: float = 3e-5,
-             t_start: float = 2.0, t_end: float = 1.0, log=None) -> None:
-    """``steps`` of token-level KD of the student towards the teacher on ``windows`` (in place)."""
+             t_start: float = 2.0, t_end: float = 1.0, alpha: float = 1.0, log=None) -> None:
+    """``steps`` of token-level KD of the student towards the teacher on ``windows`` (in place).
+    ``alpha`` < 1 mixes in the next-token cross-entropy on the text itself."""
     student = make_trainable_(student_loaded.model)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     for step in range(steps):
@@ -27,7 +28,11 @@ def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: in
         with torch.inference_mode():
             teacher_logits = train_logits(teacher_loaded.model, ids).clone()
         t = temperature_at(step, steps, t_start, t_end, "cosine")
-        loss = kd_loss(train_logits(student, ids), teacher_logits, None, t, 1.0)
+        labels = ids[1:] if alpha < 1 else None
+        student_logits = train_logits(student, ids)
+        if labels is not None:
+            student_logits, teacher_logits = student_logits[:-1], teacher_logits[:-1]
+        loss = kd_loss(student_logits, teacher_logits, labels, t, alpha)
         opt.zero_grad()
         loss.backward()
         opt.step()

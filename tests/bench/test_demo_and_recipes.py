@@ -62,25 +62,28 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
 
     sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
                       output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32,
-                      embedding_requests=48)
+                      embedding_requests=48, digits_epochs=1)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
                        sizes=sizes)
     measured = [r for r in summary["rows"] if r["status"] == "measured"]
-    assert {r["lever"] for r in measured} == {"2 hardware", "3 quantization", "4 scheduling", "5 caching"}
+    assert {r["lever"] for r in measured} == {"1 structure", "2 hardware", "3 quantization", "4 scheduling",
+                                              "5 caching"}
     assert all(r["ratio"] > 0 and r["accuracy"] for r in measured)
     # Speed levers do not change greedy tokens; quantization reports its perplexity cost.
     engine_rows = [r for r in measured if r["runs"]]
     assert all(r["accuracy"] == "none: greedy tokens identical" for r in engine_rows if r["lever"] != "3 quantization")
     batching = [r for r in measured if r["change"].startswith("dynamic batching")]
     assert len(batching) == 1 and float(batching[0]["accuracy"].split("min cosine ")[1].split(";")[0]) > 0.99999
-    cnn = [r for r in measured if not r["runs"] and r not in batching]  # fx fusion of the CNNs
+    structure = [r for r in measured if r["lever"] == "1 structure"]
+    cnn = [r for r in measured if not r["runs"] and r not in batching + structure]  # fx fusion of the CNNs
     assert [r["change"].split(":")[0] for r in cnn] == ["resnet18", "mobilenet_v2"]
     assert all(r["accuracy"].startswith("none: max |diff|") and float(r["accuracy"].split()[-1]) < 1e-5 for r in cnn)
     assert any("hot path" in r["change"] for r in engine_rows)
     quant = [r for r in measured if r["lever"] == "3 quantization"]
     assert len(quant) == 2 and all(r["accuracy"].startswith("held-out ppl ") for r in quant)
-    assert {r["status"] for r in summary["rows"]} - {"measured"}  # the levers not landed are said so
+    assert {r["status"] for r in summary["rows"]} == {"measured"}  # every lever has landed
+    assert len(structure) == 2 and all(r["accuracy"].startswith("test accuracy ") for r in structure)
     assert set(summary["verdicts"]) == {"decode", "prefill"} and all(summary["verdicts"].values())
     registry = RunRegistry(tmp_path / "runs.db")
     for r in engine_rows:
