@@ -74,7 +74,7 @@ class _SelfAttention(nn.Module):
             return t.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
                                              attn_mask=mask)
-        return out.transpose(1, 2).reshape(batch, length, hidden)
+        return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # heads may be pruned
 
 
 class _Output(nn.Module):
