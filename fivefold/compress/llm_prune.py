@@ -29,10 +29,8 @@ import torch
 from torch import nn
 
 from fivefold.errors import FivefoldError
-from fivefold.models.attention import AttentionMetadata
 
 LLM_IMPORTANCES = ("activation", "l2", "taylor")
-BLOCK = 16
 
 
 def make_trainable_(model: nn.Module) -> nn.Module:
@@ -49,16 +47,10 @@ def make_trainable_(model: nn.Module) -> nn.Module:
 
 
 def train_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, vocab] of one sequence with autograd (a single prefill, no KV reuse)."""
-    num_tokens = ids.numel()
-    num_blocks = -(-num_tokens // BLOCK)
-    c = model.config
-    meta = AttentionMetadata(query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
-                             slot_mapping=torch.arange(num_tokens), block_tables=torch.arange(num_blocks)[None, :],
-                             block_size=BLOCK)
-    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, BLOCK, c.head_dim, dtype=model.dtype)
-              for _ in range(c.num_layers)]
-    return model.compute_logits(model(ids, torch.arange(num_tokens), meta, caches))
+    """float32 logits [T, vocab] of one sequence with autograd (a single prefill)."""
+    from fivefold.quant.evaluate import prefill_logits
+
+    return prefill_logits(model, ids)
 
 
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,8 +16,9 @@ from fivefold.models.attention import AttentionMetadata
 BLOCK = 16
 
 
-def sequence_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, vocab] of one sequence, computed as a single prefill."""
+def prefill_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """float32 logits [T, vocab] of one sequence, computed as a single prefill into a scratch
+    KV cache; differentiable when called outside inference mode (KD training uses it)."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     num_tokens = ids.numel()
     num_blocks = -(-num_tokens // BLOCK)
@@ -27,9 +28,13 @@ def sequence_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
                              block_size=BLOCK)
     caches = [torch.zeros(2, num_blocks, c.num_kv_heads, BLOCK, c.head_dim, dtype=model.dtype)
               for _ in range(c.num_layers)]
+    return model.compute_logits(model(ids, torch.arange(num_tokens), meta, caches))
+
+
+def sequence_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """float32 logits [T, vocab] of one sequence, computed as a single prefill (inference mode)."""
     with torch.inference_mode():
-        hidden = model(ids, torch.arange(num_tokens), meta, caches)
-        return model.compute_logits(hidden)
+        return prefill_logits(model, ids)
 
 
 def llm_forward(model, ids) -> torch.Tensor:
