@@ -51,3 +51,10 @@ def prune_encoder_heads(model: nn.Module, num_heads: int) -> nn.Module:
         layer.attention.output.dense = new_out
         attn.num_heads = len(keep)
     return pruned
+
+
+def every_other_layer_encoder(model: nn.Module) -> nn.Module:
+    """A student initialised from the teacher's layers 0, 2, 4, ... (DistilBERT's recipe)."""
+    student = copy.deepcopy(model)
+    student.encoder.layer = nn.ModuleList(list(student.encoder.layer)[::2])
+    return student

@@ -42,3 +42,17 @@ def test_the_weakest_head_goes_first_and_limits_are_checked():
                        model.encoder.layer[0].attention.self.value.weight[kept])
     with pytest.raises(FivefoldError, match="can remove 0 to 3 of 4 heads"):
         prune_encoder_heads(model, 4)
+
+
+def test_every_other_layer_student_copies_layers_0_2_4():
+    from fivefold.compress.encoder_prune import every_other_layer_encoder
+
+    torch.manual_seed(0)
+    teacher = BertEncoder(BertConfig(100, 32, 5, 4, 64)).eval()
+    student = every_other_layer_encoder(teacher)
+    assert len(student.encoder.layer) == 3
+    for s, t in zip(student.encoder.layer, [teacher.encoder.layer[i] for i in (0, 2, 4)]):
+        assert torch.equal(s.intermediate.dense.weight, t.intermediate.dense.weight)
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        assert student(ids, torch.ones_like(ids)).shape == (2, 6, 32)

@@ -89,3 +89,14 @@ def test_data_driven_importances_drop_a_dead_neuron_first(importance, tmp_path):
     kept = [j for j in range(inter) if j != 11]
     for layer, down in zip(pruned.model.layers, downs):
         assert torch.equal(layer.mlp.down_proj.weight, down[:, kept])
+
+
+def test_every_other_layer_llm_student(tmp_path):
+    from fivefold.compress.llm_prune import every_other_layer_student
+
+    save_random_hf_model("qwen3", tmp_path)
+    teacher = load_model(str(tmp_path))
+    student = every_other_layer_student(teacher)
+    assert student.config.num_layers == 2 and len(student.model.layers) == 2
+    assert torch.equal(student.model.layers[1].mlp.down_proj.weight, teacher.model.layers[2].mlp.down_proj.weight)
+    assert _logits(student).shape == (len(IDS), teacher.config.vocab_size)
