@@ -225,8 +225,14 @@ def run_distill(job: DistillJob, console) -> dict:
 
         console.print(f"distilling a half-width student: {steps} steps, T {job.t_start} -> {job.t_end} "
                       f"({job.schedule}), alpha {job.alpha}")
+        from rich.progress import Progress
+
         torch.manual_seed(0)
-        student = distill(DigitsResNet(plan.width // 2), teacher, batches, dataclasses.replace(config, steps=steps))
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("distilling", total=steps)
+            student = distill(DigitsResNet(plan.width // 2), teacher, batches, dataclasses.replace(config, steps=steps),
+                              on_step=lambda step, t, loss: progress.update(
+                                  task, advance=1, description=f"distilling: T {t:.2f}, loss {loss:.3f}"))
         rows = _digits_rows([("teacher", teacher), ("half-width student (KD)", student)], data)
         print_rows(console, f"{DIGITS}: distilled student vs teacher (test split, batch 1)", rows)
         report = {"teacher": DIGITS, "job": dataclasses.asdict(job), "rows": rows}
