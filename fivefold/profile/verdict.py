@@ -55,8 +55,8 @@ def verdicts(report) -> list[Verdict]:
                                report.memory_bound_s / wall))
         elif u >= SATURATED:
             out.append(Verdict("quantization, slimming", f"compute-saturated ({1 - memory_share:.0%} compute-bound "
-                               f"at {u:.0%} of the roof)", "Faster arithmetic (int8) or fewer operations "
-                               "(pruning, distillation) is what is left.", report.compute_bound_s / wall))
+                               f"at {u:.0%} of the roof)", "Faster arithmetic (int8: fivefold quantize) or fewer "
+                               "operations (fivefold prune, fivefold distill) is what is left.", report.compute_bound_s / wall))
         else:
             out.append(Verdict("kernel choice, then quantization, slimming",
                                f"compute-bound ({1 - memory_share:.0%} of costed op time) at {u:.0%} of the roof",
@@ -66,7 +66,9 @@ def verdicts(report) -> list[Verdict]:
     if report.fusion_candidates and fusion >= FUSION_SHARE:
         top = report.fusion_candidates[0]
         out.append(Verdict("fusion", f"{len(report.fusion_candidates)} recurring chains of small ops take {fusion:.0%}",
-                           f"Largest: {top.label} ({top.num_occurrences} per iteration, {top.share:.1%}).", fusion))
+                           f"Largest: {top.label} ({top.num_occurrences} per iteration, {top.share:.1%}). "
+                           "The engine fuses the decoder's chains with --hot-path fused; fivefold fuse rewrites "
+                           "fx-traceable models.", fusion))
     return sorted(out, key=lambda v: -v.stake)
 
 
