@@ -56,7 +56,7 @@ def op_rows(config, use_compile: bool) -> list[dict]:
             "add + RMSNorm": (lambda: norm(x, res), lambda: norm(x_scratch, res_scratch)),
             "SiLU * up": (lambda: act(gate_up), lambda: act(gate_up)),
             "RoPE q and k": (lambda: RotaryEmbedding.apply(cos_sin, q, k),
-                             lambda: RotaryEmbedding.apply(cos_sin, q, k, fused=True)),
+                             lambda: RotaryEmbedding.apply(cos_sin, q, k, ops=fused_ops())),
         }
         for name, (eager, _) in cases.items():
             eager_us = _us_per_call(eager)

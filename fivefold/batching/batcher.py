@@ -59,7 +59,6 @@ class BatchRecord:
     size: int
     real_tokens: int
     padded_tokens: int  # size x longest length in the batch
-    lengths: list[int]
     queue_times: list[float]
     execution_time: float
 
@@ -187,9 +186,8 @@ class DynamicBatcher:
         return len(bucket) * longest >= self.config.max_batch_tokens
 
     def _next_batch(self) -> list[_Request] | None:
-        """Take the next batch, or None and how long to wait (called with the lock held)."""
+        """Take the next batch, or None (called with the lock held). Timeouts are the reaper's."""
         now = time.monotonic()
-        self._expire(now)
         ready = [b for b in self._buckets if b and (self._is_full(b) or now - b[0].arrival >= self.delay)]
         if not ready:
             return None
@@ -223,7 +221,6 @@ class DynamicBatcher:
 
     def _wait_time(self) -> float | None:
         deadlines = [b[0].arrival + self.delay for b in self._buckets if b]
-        deadlines += [r.deadline for b in self._buckets for r in b if r.deadline is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _reap_loop(self) -> None:
@@ -259,7 +256,7 @@ class DynamicBatcher:
             return
         elapsed = time.monotonic() - started
         lengths = [r.length for r in live]
-        record = BatchRecord(len(live), sum(lengths), len(live) * max(lengths), lengths,
+        record = BatchRecord(len(live), sum(lengths), len(live) * max(lengths),
                              [started - r.arrival for r in live], elapsed)
         for r, result in zip(live, results):
             r.future.set_result(result)

@@ -138,7 +138,7 @@ def _structure_rows(epochs: int, console) -> list[LeverRow]:
     student distilled from it; batch-1 latency against the original (fivefold prune/distill)."""
     import torch
 
-    from fivefold.compress.digits_report import add_latencies, measure
+    from fivefold.compress.digits_report import add_latencies, epoch_steps, measure, train_batches
     from fivefold.compress.distill import DistillConfig, distill
     from fivefold.compress.structured import prune_channels
     from fivefold.models.cnn import DigitsResNet
@@ -150,14 +150,8 @@ def _structure_rows(epochs: int, console) -> list[LeverRow]:
     teacher = train(DigitsResNet(96), data.train, epochs)
     x = data.calibration[0][:1]
     pruned = train(prune_channels(teacher, (x,), 0.5), data.train, max(1, epochs // 2), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-
-    def batches(step: int):
-        idx = torch.randint(0, len(data.train[1]), (64,), generator=gen)
-        return data.train[0][idx], data.train[1][idx]
-
-    steps = epochs * -(-len(data.train[1]) // 64)
-    student = distill(DigitsResNet(48), teacher, batches, DistillConfig(steps=steps))
+    steps = epoch_steps(data, epochs)
+    student = distill(DigitsResNet(48), teacher, train_batches(data), DistillConfig(steps=steps))
     rows = [measure(n, m, data) for n, m in (("original", teacher), ("pruned", pruned), ("student", student))]
     add_latencies(rows, data.test[0][:1])
     original = rows[0]

@@ -60,6 +60,25 @@ def add_latencies(rows: list[dict], x: torch.Tensor, rounds: int = 15, calls: in
         row["accuracy_delta"] = row["test_accuracy"] - rows[0]["test_accuracy"]
 
 
+BATCH_SIZE = 64
+
+
+def train_batches(data: DigitsData, seed: int = 1) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """``batches(step)`` for ``distill``: random training batches of 64 from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def batches(step: int):
+        idx = torch.randint(0, len(data.train[1]), (BATCH_SIZE,), generator=gen)
+        return data.train[0][idx], data.train[1][idx]
+
+    return batches
+
+
+def epoch_steps(data: DigitsData, epochs: int) -> int:
+    """Optimizer steps of ``epochs`` passes over the training split in batches of 64."""
+    return epochs * -(-len(data.train[1]) // BATCH_SIZE)
+
+
 def iterative_prune(model: nn.Module, data: DigitsData, plan: DigitsPlan, log: Callable[[str], None] = print):
     """Uniform channel pruning from ``plan.ratio`` upwards by ``schedule_step``, fine-tuning after
     each step; stops before the step whose calibration accuracy falls more than the budget
@@ -118,12 +137,8 @@ def run_digits_report(plan: DigitsPlan = DigitsPlan(), log: Callable[[str], None
         rows.append(row)
 
     log("distilling a half-width student (T 4 -> 1, cosine, alpha 0.7)")
-    steps = plan.epochs * -(-len(data.train[1]) // 64)
-    gen = torch.Generator().manual_seed(1)
-
-    def batches(step: int):
-        idx = torch.randint(0, len(data.train[1]), (64,), generator=gen)
-        return data.train[0][idx], data.train[1][idx]
+    steps = epoch_steps(data, plan.epochs)
+    batches = train_batches(data)
 
     torch.manual_seed(0)
     student = distill(DigitsResNet(plan.width // 2), teacher, batches, DistillConfig(steps=steps))

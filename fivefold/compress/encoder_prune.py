@@ -15,6 +15,7 @@ from torch import nn
 
 from fivefold.compress.structured import channel_groups, prune_channels
 from fivefold.errors import FivefoldError
+from fivefold.models.layers import linear_from
 
 
 def prune_encoder_ffn(model: nn.Module, example_inputs: tuple, ratio: float, importance: str = "l1") -> nn.Module:
@@ -39,16 +40,8 @@ def prune_encoder_heads(model: nn.Module, num_heads: int) -> nn.Module:
         index = torch.cat([rows[h] for h in keep.tolist()])
         for name in ("query", "key", "value"):
             lin = getattr(attn, name)
-            new = nn.Linear(lin.in_features, len(index))
-            with torch.no_grad():
-                new.weight.copy_(lin.weight[index])
-                new.bias.copy_(lin.bias[index])
-            setattr(attn, name, new)
-        new_out = nn.Linear(len(index), out.out_features)
-        with torch.no_grad():
-            new_out.weight.copy_(out.weight[:, index])
-            new_out.bias.copy_(out.bias)
-        layer.attention.output.dense = new_out
+            setattr(attn, name, linear_from(lin.weight.detach()[index], lin.bias.detach()[index]))
+        layer.attention.output.dense = linear_from(out.weight.detach()[:, index], out.bias.detach())
         attn.num_heads = len(keep)
     return pruned
 

@@ -84,33 +84,16 @@ def _digits_rows(pairs, data) -> list[dict]:
     return rows
 
 
-def _llm_rows(pairs, model_name: str, windows) -> list[dict]:
-    from fivefold.compress.llm_report import decode_tok_s
-    from fivefold.quant.evaluate import perplexity
-
-    rows = [{"variant": name, "parameters": loaded.config.num_parameters(),
-             "perplexity": perplexity(loaded.model, windows), "decode_tok_s": decode_tok_s(loaded, model_name)}
-            for name, loaded in pairs]
-    for r in rows:
-        r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1
-        r["speedup"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
-    return rows
-
-
 def print_rows(console, title: str, rows: list[dict]) -> None:
     from fivefold.bench.report import results_table
+    from fivefold.compress.llm_report import print_llm_rows
 
-    if "test_accuracy" in rows[0]:
-        console.print(results_table(title, ("variant", "params", "MFLOPs", "latency us", "speed-up", "test acc %"),
-                                    [(r["variant"], f"{r['parameters']:,}", f"{r['mflops']:.1f}",
-                                      f"{r['latency_us']:.0f}", f"{r['speedup']:.2f}x", f"{r['test_accuracy']:.2f}")
-                                     for r in rows]))
-    else:
-        console.print(results_table(title, ("variant", "params", "held-out ppl", "ppl change", "decode tok/s",
-                                            "speed-up"),
-                                    [(r["variant"], f"{r['parameters'] / 1e6:.1f}M", f"{r['perplexity']:.3f}",
-                                      f"{r['perplexity_change']:+.1%}", f"{r['decode_tok_s']:.1f}",
-                                      f"{r['speedup']:.2f}x") for r in rows]))
+    if "test_accuracy" not in rows[0]:
+        return print_llm_rows(console, title, rows)
+    console.print(results_table(title, ("variant", "params", "MFLOPs", "latency us", "speed-up", "test acc %"),
+                                [(r["variant"], f"{r['parameters']:,}", f"{r['mflops']:.1f}",
+                                  f"{r['latency_us']:.0f}", f"{r['speedup']:.2f}x", f"{r['test_accuracy']:.2f}")
+                                 for r in rows]))
 
 
 def _train_digits_teacher(log):
@@ -180,7 +163,7 @@ def _prune_digits(job: PruneJob, console) -> dict:
 
 def _prune_llm(job: PruneJob, console) -> dict:
     from fivefold.compress.llm_prune import prune_attention_groups_, prune_mlp_neurons_
-    from fivefold.compress.llm_report import kd_heal_
+    from fivefold.compress.llm_report import kd_heal_, llm_rows
     from fivefold.models import load_model
     from fivefold.quant.evaluate import text_windows
 
@@ -199,7 +182,7 @@ def _prune_llm(job: PruneJob, console) -> dict:
         kd_heal_(pruned, original, calibration, job.heal_steps, log=console.print)
     name = f"{job.ratio:.0%} MLP neurons" + (f", {job.attention_groups} KV groups" if job.attention_groups else "") + \
         (f" + KD heal ({job.heal_steps} steps)" if job.heal_steps else "")
-    rows = _llm_rows([("original", original), (name, pruned)], job.model, heldout)
+    rows = llm_rows([("original", original), (name, pruned)], heldout)
     print_rows(console, f"{job.model}: pruned vs original ({job.num_eval} held-out windows)", rows)
     report = {"model": job.model, "job": dataclasses.asdict(job), "rows": rows}
     _write(job.out_dir, report, loaded=pruned)
@@ -212,16 +195,13 @@ def run_distill(job: DistillJob, console) -> dict:
     config = DistillConfig(steps=max(1, job.steps or 1), alpha=job.alpha, t_start=job.t_start, t_end=job.t_end,
                            schedule=job.schedule)  # validates the flags
     if job.teacher == DIGITS:
+        from fivefold.compress.digits_report import epoch_steps, train_batches
         from fivefold.compress.distill import distill
         from fivefold.models.cnn import DigitsResNet
 
         teacher, data, plan = _train_digits_teacher(console.print)
-        steps = job.steps or plan.epochs * -(-len(data.train[1]) // 64)
-        gen = torch.Generator().manual_seed(1)
-
-        def batches(step: int):
-            idx = torch.randint(0, len(data.train[1]), (64,), generator=gen)
-            return data.train[0][idx], data.train[1][idx]
+        steps = job.steps or epoch_steps(data, plan.epochs)
+        batches = train_batches(data)
 
         console.print(f"distilling a half-width student: {steps} steps, T {job.t_start} -> {job.t_end} "
                       f"({job.schedule}), alpha {job.alpha}")
@@ -239,7 +219,7 @@ def run_distill(job: DistillJob, console) -> dict:
         _write(job.out_dir, report, model=student)
         return report
     from fivefold.compress.llm_prune import every_other_layer_student
-    from fivefold.compress.llm_report import kd_heal_
+    from fivefold.compress.llm_report import kd_heal_, llm_rows
     from fivefold.models import load_model
     from fivefold.quant.evaluate import text_windows
 
@@ -252,8 +232,7 @@ def run_distill(job: DistillJob, console) -> dict:
                   f"{teacher.config.num_layers}); token-level KD for {steps} steps")
     kd_heal_(student, teacher, calibration, steps, t_start=job.t_start, t_end=job.t_end, alpha=job.alpha,
              log=console.print)
-    rows = _llm_rows([("teacher", teacher), (f"every-other-layer student, KD {steps} steps", student)], job.teacher,
-                     heldout)
+    rows = llm_rows([("teacher", teacher), (f"every-other-layer student, KD {steps} steps", student)], heldout)
     print_rows(console, f"{job.teacher}: distilled student vs teacher", rows)
     report = {"teacher": job.teacher, "job": dataclasses.asdict(job), "rows": rows}
     _write(job.out_dir, report, loaded=student)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from fivefold.errors import FivefoldError
+from fivefold.models.layers import linear_from
 
 LLM_IMPORTANCES = ("activation", "l2", "taylor")
 
@@ -56,15 +57,6 @@ def train_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = getattr(linear, "bias", None)
     return linear.weight.detach(), None if bias is None else bias.detach()
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(weight)
-        if bias is not None:
-            out.bias.copy_(bias)
-    return out
 
 
 def _with_config(loaded, model, **changes):
@@ -130,8 +122,8 @@ def prune_mlp_neurons_(loaded, ratio: float, importance: str = "activation",
             score = ((gate * g_gu[:inter]).sum(1) + (up * g_gu[inter:]).sum(1) + (down * g_d).sum(0)).abs()
         keep = score.topk(num_keep).indices.sort().values
         rows = torch.cat([keep, keep + inter])
-        mlp.gate_up_proj = _linear(gate_up[rows], None if gate_up_bias is None else gate_up_bias[rows])
-        mlp.down_proj = _linear(down[:, keep], down_bias)
+        mlp.gate_up_proj = linear_from(gate_up[rows], None if gate_up_bias is None else gate_up_bias[rows])
+        mlp.down_proj = linear_from(down[:, keep], down_bias)
     return _with_config(loaded, loaded.model, intermediate_size=num_keep)
 
 
@@ -159,8 +151,8 @@ def prune_attention_groups_(loaded, num_groups: int):
         k_rows = torch.cat([rows_of(g)[1] for g in kept])
         v_rows = torch.cat([rows_of(g)[2] for g in kept])
         rows = torch.cat([q_rows, k_rows, v_rows])
-        attn.qkv_proj = _linear(qkv[rows], None if qkv_bias is None else qkv_bias[rows])
-        attn.o_proj = _linear(o[:, q_rows], o_bias)
+        attn.qkv_proj = linear_from(qkv[rows], None if qkv_bias is None else qkv_bias[rows])
+        attn.o_proj = linear_from(o[:, q_rows], o_bias)
     return _with_config(loaded, loaded.model, num_heads=keep_groups * group, num_kv_heads=keep_groups)
 
 

@@ -43,19 +43,34 @@ def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: in
     student.set_fused_ops(True)
 
 
-def decode_tok_s(loaded, model_name: str) -> float:
-    from fivefold.bench.offline_bench import make_config, run_offline
+def llm_rows(pairs, windows: list[list[int]]) -> list[dict]:
+    """Parameters, held-out perplexity and single-stream decode tok/s (best of 2) of each
+    (name, LoadedModel), with the change against the first."""
+    from fivefold.quant.evaluate import perplexity
+    from fivefold.quant.llm_quantize import decode_speed
 
-    config = make_config(model_name, workload="throughput", num_requests=1, input_len=64, output_len=64,
-                         kv_cache_memory=float(256 << 20))
-    return max(run_offline(config, loaded, show_progress=False)["decode_tok_s"] for _ in range(2))
+    rows = [{"variant": name, "parameters": loaded.config.num_parameters(),
+             "perplexity": perplexity(loaded.model, windows), "decode_tok_s": decode_speed(loaded, 1, 64)}
+            for name, loaded in pairs]
+    for r in rows:
+        r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1
+        r["speedup"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+    return rows
+
+
+def print_llm_rows(console, title: str, rows: list[dict]) -> None:
+    from fivefold.bench.report import results_table
+
+    console.print(results_table(title, ("variant", "params", "held-out ppl", "ppl change", "decode tok/s", "speed-up"),
+                                [(r["variant"], f"{r['parameters'] / 1e6:.1f}M", f"{r['perplexity']:.3f}",
+                                  f"{r['perplexity_change']:+.1%}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.2f}x")
+                                 for r in rows]))
 
 
 def run_llm_report(model_name: str = "smollm2-135m-instruct", ratio: float = 0.25, heal_steps: int = 40,
                    num_eval: int = 8, window: int = 256, console=None) -> dict:
-    from fivefold.bench.report import results_table
     from fivefold.models import load_model
-    from fivefold.quant.evaluate import perplexity, text_windows
+    from fivefold.quant.evaluate import text_windows
 
     log = console.print if console is not None else print
     original = load_model(model_name, "float32")
@@ -67,22 +82,12 @@ def run_llm_report(model_name: str = "smollm2-135m-instruct", ratio: float = 0.2
         start = time.perf_counter()
         kd_heal_(healed, original, calibration, heal_steps, log=log)
         heal_s = time.perf_counter() - start
-    rows = []
-    for name, loaded in (("original", original), (f"{ratio:.0%} MLP neurons pruned", pruned),
-                         (f"{ratio:.0%} pruned + KD heal ({heal_steps} steps)", healed)):
-        if name.endswith("(0 steps)"):
-            continue
-        ppl = perplexity(loaded.model, heldout)
-        rows.append({"variant": name, "parameters": loaded.config.num_parameters(), "perplexity": ppl,
-                     "decode_tok_s": decode_tok_s(loaded, model_name)})
-    for r in rows:
-        r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1
-        r["speedup"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+    pairs = [("original", original), (f"{ratio:.0%} MLP neurons pruned", pruned)]
+    if heal_steps:
+        pairs.append((f"{ratio:.0%} pruned + KD heal ({heal_steps} steps)", healed))
+    rows = llm_rows(pairs, heldout)
     if console is not None:
-        console.print(results_table(
-            f"{model_name}: structured MLP pruning vs the original ({num_eval} held-out {window}-token windows)",
-            ("variant", "params", "held-out ppl", "ppl change", "decode tok/s", "speed-up"),
-            [(r["variant"], f"{r['parameters'] / 1e6:.1f}M", f"{r['perplexity']:.3f}",
-              f"{r['perplexity_change']:+.1%}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.2f}x") for r in rows]))
+        print_llm_rows(console, f"{model_name}: structured MLP pruning vs the original ({num_eval} held-out "
+                                f"{window}-token windows)", rows)
     return {"model": model_name, "ratio": ratio, "heal_steps": heal_steps,
             "heal_seconds": heal_s if heal_steps else 0.0, "rows": rows}

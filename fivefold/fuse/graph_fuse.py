@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.errors import FivefoldError
 from fivefold.fuse.layout import PaddedLinear, median_us, padded_copy
+from fivefold.models.layers import linear_from
 
 
 @dataclass(frozen=True)
@@ -334,11 +335,8 @@ def _merge_parallel_linears(gm: fx.GraphModule) -> int:
         if any(has_bias) and not all(has_bias):
             continue
         sizes = [lin.out_features for lin in linears]
-        combined = nn.Linear(linears[0].in_features, sum(sizes), bias=all(has_bias))
-        with torch.no_grad():
-            combined.weight.copy_(torch.cat([lin.weight for lin in linears]))
-            if combined.bias is not None:
-                combined.bias.copy_(torch.cat([lin.bias for lin in linears]))
+        combined = linear_from(torch.cat([lin.weight.detach() for lin in linears]),
+                               torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None)
         combined.requires_grad_(False)
         first = nodes[0]
         name = _unique_name(gm, "_".join(n.target for n in nodes[:1]) + f"_merged{len(nodes)}")

@@ -17,7 +17,10 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from fivefold.models.layers import linear_from
 
 
 class PaddedLinear(nn.Module):
@@ -32,17 +35,12 @@ class PaddedLinear(nn.Module):
 
 
 def padded_copy(linear: nn.Module, multiple: int) -> nn.Module:
-    """A copy of ``linear`` (nn.Linear or a module built from one by ``rebuild``) with zero rows
+    """An nn.Linear copy of ``linear`` (anything with ``weight`` and ``bias``) with zero rows
     appended to its weight and bias up to a multiple of ``multiple`` output features."""
-    out_features = linear.weight.shape[0]
-    padded = -(-out_features // multiple) * multiple
-    plain = nn.Linear(linear.weight.shape[1], padded, bias=linear.bias is not None)
-    with torch.no_grad():
-        plain.weight.zero_()[:out_features] = linear.weight
-        if plain.bias is not None:
-            plain.bias.zero_()[:out_features] = linear.bias
-    plain.requires_grad_(False)
-    return plain
+    num_pad = -linear.weight.shape[0] % multiple
+    weight = F.pad(linear.weight.detach(), (0, 0, 0, num_pad))
+    bias = None if linear.bias is None else F.pad(linear.bias.detach(), (0, num_pad))
+    return linear_from(weight, bias).requires_grad_(False)
 
 
 def median_us(fn, num_calls: int = 30) -> float:

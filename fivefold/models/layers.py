@@ -74,14 +74,14 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, fused: bool = False):
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, ops=None):
         """q: [T, H, D], k: [T, KVH, D], both rotated with the same table rows.
 
-        ``fused``: one C++ call rotating q and k in place (they are views of this step's
-        qkv output), instead of chunk, 4 muls, 2 adds and a cat for each.
+        ``ops`` (the fused kernels, from ``FusableOp._fused``): one C++ call rotating q and k
+        in place (they are views of this step's qkv output), instead of chunk, 4 muls, 2 adds
+        and a cat for each.
         """
         cos, sin = cos_sin
-        ops = fused_ops() if fused and q.dtype == torch.float32 and q.device.type == "cpu" else None
         if ops is not None:
             ops.rotary_qk_(q, k, cos, sin)
             return q, k
@@ -144,6 +144,17 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear holding copies of ``weight`` [out, in] and ``bias`` [out] (same dtype): the
+    rebuilt layer of a pass that merges, slices or pads weights."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if bias is not None:
+            out.bias.copy_(bias)
+    return out
 
 
 def pack_linears_(model: nn.Module) -> nn.Module:

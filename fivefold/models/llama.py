@@ -46,7 +46,7 @@ class LlamaAttention(FusableOp):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.config.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k, fused=self.use_fused)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k, ops=self._fused(q))
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.config.q_size))
 

@@ -122,6 +122,20 @@ def build_base_app(model_name: str, metrics_registry, api_key: str | None = None
     return app
 
 
+async def await_unless_disconnected(request: Request, awaitables: list):
+    """The results of ``awaitables``; if the client goes away first, cancel them all (a queued
+    request is dropped, a running one aborted by its own cleanup) and stop this handler."""
+    done = asyncio.gather(*awaitables)
+    while not done.done():
+        await asyncio.wait([done], timeout=0.5)
+        if not done.done() and await request.is_disconnected():
+            for a in awaitables:
+                a.cancel()
+            await asyncio.gather(*awaitables, return_exceptions=True)
+            raise asyncio.CancelledError
+    return done.result()
+
+
 def check_model(name: str | None, model_name: str) -> None:
     """400 (OpenAI's ``model_not_found``) unless ``name`` is absent or the served model."""
     if name is not None and name != model_name:
@@ -160,16 +174,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 last = out
             return last
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(params.n)]
-        done = asyncio.gather(*tasks)
-        while not done.done():
-            await asyncio.wait([done], timeout=0.5)
-            if not done.done() and await request.is_disconnected():
-                for t in tasks:
-                    t.cancel()  # the streams' finally blocks abort the engine requests
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise asyncio.CancelledError
-        return done.result()
+        # A cancelled choice's stream aborts its engine request in its finally block.
+        return await await_unless_disconnected(request, [asyncio.ensure_future(one(i)) for i in range(params.n)])
 
     def usage(prompt_ids: list[int], outs, cached: int) -> dict:
         completion = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -24,7 +24,13 @@ from fivefold.batching.config import BatcherConfig
 from fivefold.batching.encoder import EncoderModel, measure_auto_delay
 from fivefold.batching.metrics import BatcherMetrics
 from fivefold.errors import FivefoldError
-from fivefold.serve.app import DEFAULT_MAX_BODY_BYTES, APIError, build_base_app, check_model
+from fivefold.serve.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    await_unless_disconnected,
+    build_base_app,
+    check_model,
+)
 from fivefold.serve.protocol import EmbeddingRequest
 
 MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
@@ -74,16 +80,8 @@ def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_n
                            "dimensions")
         lists = token_lists(req)
         futures = [asyncio.wrap_future(f) for f in batcher.submit_many([(ids, len(ids)) for ids in lists])]
-        done = asyncio.gather(*futures)
-        while not done.done():
-            await asyncio.wait([done], timeout=0.5)
-            if not done.done() and await request.is_disconnected():
-                for f in futures:
-                    f.cancel()  # still queued: removed without running
-                await asyncio.gather(*futures, return_exceptions=True)
-                raise asyncio.CancelledError
         try:
-            vectors = done.result()
+            vectors = await await_unless_disconnected(request, futures)
         except Exception:
             for f in futures:
                 f.cancel()  # the request failed (e.g. one input timed out): drop its other inputs

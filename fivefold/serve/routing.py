@@ -81,6 +81,7 @@ class PrefixAwareRouter:
         self._fallback = LeastLoadedRouter()
         self.num_prefix_routed = 0
         self.num_fallbacks = 0
+        self._rings: dict[tuple[str, ...], list[tuple[int, str]]] = {}  # per set of healthy replicas
 
     def prefix_key(self, prompt_ids: list[int]) -> int | None:
         """Hash of the prompt's first full blocks (up to ``num_prefix_blocks``); None under one block."""
@@ -91,7 +92,11 @@ class PrefixAwareRouter:
 
     def owner(self, key: int, replica_ids: list[str]) -> str:
         """The replica the ring assigns ``key`` to among ``replica_ids``."""
-        ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in replica_ids for v in range(self.num_virtual_nodes))
+        members = tuple(sorted(replica_ids))
+        ring = self._rings.get(members)
+        if ring is None:  # built once per membership, not per request
+            ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in members for v in range(self.num_virtual_nodes))
+            self._rings[members] = ring
         i = bisect.bisect_left(ring, (key, ""))
         return ring[i % len(ring)][1]
 
