@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=None, help="beyond it: 429 with Retry-After")
     serve.add_argument("--max-queued-tokens", type=int, default=None, help="queued prompt tokens; beyond: 429")
     serve.add_argument("--queue-timeout", type=float, default=None, help="seconds in the queue before a 503")
+    serve.add_argument("--result-cache", default="memory",
+                       help="memory (this process's LRU; one per replica) or redis://HOST:PORT (one for all)")
     serve.add_argument("--result-cache-entries", type=int, default=1024, help="0 disables the result cache")
     serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
     serve.add_argument("--prompt-version", default="v1", help="result-cache version (X-Prompt-Version overrides)")
@@ -78,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-length-buckets", action="store_true", help="encoders: one queue for all lengths")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="on SIGINT/SIGTERM: stop accepting, let in-flight requests finish this long, abort the rest")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas on Ray Serve behind a routing front (default: one in-process engine)")
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    serve.add_argument("--routing", default="prefix-aware", choices=["round-robin", "least-loaded", "prefix-aware"],
+                       help="with --replicas: how requests are spread (default prefix-aware)")
+    serve.add_argument("--replica-cpus", type=float, default=None,
+                       help="with --replicas: CPUs (and torch threads) per replica; default: cores / replicas locally")
 
     bench = sub.add_parser("bench", help="benchmarks (each run stored in the run registry)")
     bench.add_argument("--recipe", default=None, help="re-run the configuration of a recipe file (runs rollback)")
@@ -351,6 +360,52 @@ def _serve_encoder(args, path) -> int:
     return 0
 
 
+def _result_cache(args):
+    from fivefold.cache.result_cache import make_result_cache
+
+    if args.result_cache_entries <= 0:
+        return None
+    return make_result_cache(args.result_cache, args.result_cache_entries, args.result_cache_bytes,
+                             args.prompt_version)
+
+
+def _serve_replicas(args) -> int:
+    import uvicorn
+
+    from fivefold.engine.config import EngineConfig
+    from fivefold.models.loader import load_tokenizer
+    from fivefold.serve.cluster import ClusterConfig, ReplicaSet, build_cluster_app
+    from fivefold.serve.replica import ReplicaSpec
+
+    # Everything a replica would fail on is checked here first, for a one-line error.
+    config = ClusterConfig(num_replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
+                           num_cpus_per_replica=args.replica_cpus, shutdown_grace=args.shutdown_grace)
+    options = _engine_options(args)
+    EngineConfig(**options)
+    tokenizer, _ = load_tokenizer(args.model)
+    _result_cache(args)  # a bad URL or an unreachable Redis fails now, not in every replica
+    name = args.served_model_name or args.model
+    spec = ReplicaSpec(model=args.model, served_model_name=name, dtype=args.dtype, engine_options=options,
+                       max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+                       queue_timeout=args.queue_timeout,
+                       result_cache=args.result_cache if args.result_cache_entries > 0 else None,
+                       result_cache_entries=max(1, args.result_cache_entries),
+                       result_cache_bytes=args.result_cache_bytes, prompt_version=args.prompt_version,
+                       max_body_bytes=args.max_body_bytes)
+    replicas = ReplicaSet(spec, config)
+    try:
+        replicas.start()
+        app = build_cluster_app(replicas, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
+              f"({args.routing} routing, result cache: "
+              f"{args.result_cache if args.result_cache_entries > 0 else 'off'})", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_grace)
+    finally:
+        replicas.shutdown()
+    return 0
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -361,7 +416,11 @@ def cmd_serve(args) -> int:
 
     path = resolve_model_path(args.model)
     if is_encoder_dir(path):
+        if args.replicas is not None:
+            raise FivefoldError("--replicas serves LLMs; an embeddings model is served by one process")
         return _serve_encoder(args, path)
+    if args.replicas is not None:
+        return _serve_replicas(args)
 
     llm = _llm(args)
     from fivefold.serve.metrics import ServerMetrics
@@ -369,12 +428,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     engine = AsyncEngine(llm.engine, ServerMetrics(name), max_queued_requests=args.max_queued_requests,
                          max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout)
-    from fivefold.cache.result_cache import ResultCache
-
-    cache = (ResultCache(args.result_cache_entries, args.result_cache_bytes, args.prompt_version)
-             if args.result_cache_entries > 0 else None)
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                    result_cache=cache, prompt_version=args.prompt_version)
+                    result_cache=_result_cache(args), prompt_version=args.prompt_version)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -25,3 +25,7 @@ class OverloadedError(FivefoldError):
 
 class QueueTimeoutError(FivefoldError):
     """A request waited in the queue longer than allowed (HTTP 503)."""
+
+
+class ReplicaUnavailableError(FivefoldError):
+    """The engine replica serving a request died or cannot be reached (HTTP 503)."""

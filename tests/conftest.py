@@ -74,3 +74,42 @@ def smollm2():
     from fivefold.models import load_model
 
     return load_model("smollm2-135m-instruct")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A redis-server from Debian's package on 127.0.0.1 (no persistence), stopped afterwards.
+    `make test` installs the package; without it the Redis tests fail and say so."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (make setup installs Debian's redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.time() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.time() < deadline and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)

@@ -117,21 +117,35 @@ def build_model(config: ModelConfig, weights, dtype: torch.dtype) -> LlamaForCau
     return model.eval()
 
 
+def _config_and_tokenizer(fmt: str, location: Path):
+    """(config, tokenizer, GGUF reader or None) of a checkpoint, without its weights."""
+    if fmt == "gguf":
+        from fivefold.models.gguf_file import gguf_config, open_gguf
+
+        reader = open_gguf(location)
+        config = gguf_config(reader, location)
+        return config, load_gguf_tokenizer(location, reader, config.eos_token_ids), reader
+    config = read_hf_config(location)
+    return config, load_hf_tokenizer(location, config.eos_token_ids), None
+
+
+def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and config of a model, without reading its weights (a router's needs)."""
+    config, tokenizer, _ = _config_and_tokenizer(*find_checkpoint(resolve_model_path(name_or_path)))
+    return tokenizer, config
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load a built-in name, Hugging Face directory or GGUF file for serving."""
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(name_or_path)
     fmt, location = find_checkpoint(path)
+    config, tokenizer, reader = _config_and_tokenizer(fmt, location)
     if fmt == "gguf":
-        from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
+        from fivefold.models.gguf_file import gguf_tensors
 
-        reader = open_gguf(location)
-        config = gguf_config(reader, location)
-        tokenizer = load_gguf_tokenizer(location, reader, config.eos_token_ids)
         weights = gguf_tensors(reader, config)
     else:
-        config = read_hf_config(location)
-        tokenizer = load_hf_tokenizer(location, config.eos_token_ids)
         from fivefold.quant.serialization import load_quantized_model, quantization_config
 
         qconfig = quantization_config(location)

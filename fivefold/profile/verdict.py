@@ -84,6 +84,8 @@ def server_verdict(metrics_text: str, max_num_seqs: int) -> Verdict | None:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
+            if "replica" in sample.labels:  # a replicated server also labels each replica: read the totals
+                continue
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     waiting = values.get("fivefold:num_requests_waiting", 0.0)
     running = values.get("fivefold:num_requests_running", 0.0)

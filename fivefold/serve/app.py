@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fivefold.cache.result_cache import ResultCache, is_cacheable
-from fivefold.errors import FivefoldError, OverloadedError, QueueTimeoutError
+from fivefold.errors import FivefoldError, OverloadedError, QueueTimeoutError, ReplicaUnavailableError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,17 +44,25 @@ class APIError(Exception):
 
 
 def model_fingerprint(engine: AsyncEngine) -> str:
+    """What identifies the served weights in result-cache keys: a hash of the checkpoint's
+    content (not its path), so replicas on different machines share keys."""
+    from fivefold.bench.registry import model_fingerprint as content_hash
+
     loaded = engine.engine.loaded
-    stat = loaded.path.stat()
-    return f"{loaded.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{loaded.model.dtype}"
+    return f"{content_hash(str(loaded.path))}|{loaded.model.dtype}"
 
 
 def build_base_app(model_name: str, metrics_registry, api_key: str | None = None,
-                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_text=None, is_healthy=None,
+                   lifespan=None) -> FastAPI:
     """What every fivefold server has: the body-size and API-key guard, OpenAI-style error
     bodies, ``/health``, ``/metrics`` (``metrics_registry()`` -> a prometheus registry or
-    None) and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it."""
-    app = FastAPI(title="Fivefold", version="0.1.0")
+    None) and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it.
+
+    The replicated front (cluster.py) passes instead ``metrics_text`` (a coroutine function
+    returning the exposition), ``is_healthy`` (``/health`` answers 503 when it is false) and
+    a ``lifespan`` for its background work."""
+    app = FastAPI(title="Fivefold", version="0.1.0", lifespan=lifespan)
 
     # A pure ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) wraps the
     # receive channel, and then request.is_disconnected() never sees the client leave.
@@ -99,10 +107,14 @@ def build_base_app(model_name: str, metrics_registry, api_key: str | None = None
             return response
         if isinstance(exc, QueueTimeoutError):
             return error_response(503, str(exc), code="queue_timeout", error_type="server_error")
+        if isinstance(exc, ReplicaUnavailableError):
+            return error_response(503, str(exc), code="replica_unavailable", error_type="server_error")
         return error_response(400, str(exc))
 
     @app.get("/health")
     async def health():
+        if is_healthy is not None and not is_healthy():
+            return error_response(503, "no healthy replica", code="unhealthy", error_type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -110,6 +122,8 @@ def build_base_app(model_name: str, metrics_registry, api_key: str | None = None
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if metrics_text is not None:
+            return Response(await metrics_text(), media_type=CONTENT_TYPE_LATEST)
         registry = metrics_registry()
         if registry is None:
             return Response("", media_type=CONTENT_TYPE_LATEST)

@@ -49,6 +49,11 @@ class AsyncEngine:
         self.engine.validate_lengths(len(prompt_token_ids), params.max_tokens)
 
     @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive (false after shutdown or a crash)."""
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
     def num_queued_requests(self) -> int:
         return len(self._queued)
 

@@ -19,7 +19,7 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
-from fivefold.errors import FivefoldError, OverloadedError
+from fivefold.errors import FivefoldError, ReplicaUnavailableError
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
@@ -42,7 +42,7 @@ class ReplicaLoad:
 def _healthy(replicas: list[ReplicaLoad]) -> list[ReplicaLoad]:
     alive = [r for r in replicas if r.is_healthy]
     if not alive:
-        raise OverloadedError("no healthy replica is available")
+        raise ReplicaUnavailableError("no healthy replica is available; retry once one has restarted")
     return alive
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fivefold.errors import FivefoldError, OverloadedError
+from fivefold.errors import FivefoldError, ReplicaUnavailableError
 from fivefold.serve.routing import (
     LeastLoadedRouter,
     PrefixAwareRouter,
@@ -64,7 +64,7 @@ def test_saturated_owner_and_short_prompts_fall_back_to_least_loaded():
 
 
 def test_no_healthy_replica_and_bad_policy():
-    with pytest.raises(OverloadedError, match="no healthy replica"):
+    with pytest.raises(ReplicaUnavailableError, match="no healthy replica"):
         make_router("least-loaded").choose([], [ReplicaLoad("r0", is_healthy=False)])
     with pytest.raises(FivefoldError, match="routing must be one of round-robin, least-loaded, prefix-aware"):
         make_router("random")
