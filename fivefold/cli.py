@@ -7,6 +7,7 @@ tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -399,8 +400,14 @@ def _serve_replicas(args) -> int:
         print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
               f"({args.routing} routing, result cache: "
               f"{args.result_cache if args.result_cache_entries > 0 else 'off'})", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_grace)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                        timeout_graceful_shutdown=args.shutdown_grace)
+        except SystemExit as exc:
+            # uvicorn re-raises the signal after its graceful shutdown, and Ray's driver
+            # handler turns it into SystemExit(signum): that is a normal stop.
+            if exc.code not in (signal.SIGTERM, signal.SIGINT):
+                raise
     finally:
         replicas.shutdown()
     return 0

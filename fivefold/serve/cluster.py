@@ -171,10 +171,15 @@ class ReplicaSet:
             try:
                 ray.init(address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=False)
             except Exception as exc:
-                raise FivefoldError(f"cannot join the Ray cluster at {cfg.ray_address}: {exc}") from None
+                hint = ("; a cluster with token authentication needs RAY_AUTH_MODE=token and its token "
+                        "(~/.ray/auth_token or RAY_AUTH_TOKEN)" if "uthentication" in str(exc) or
+                        "Failed to connect" in str(exc) else "")
+                raise FivefoldError(f"cannot join the Ray cluster at {cfg.ray_address}: "
+                                    f"{str(exc).splitlines()[0]}{hint}") from None
         else:
             num_cpus = max(os.cpu_count() or 1, int(cpus * cfg.num_replicas + 0.999))
-            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+            # address="local": a new Ray of our own, even when another one runs on this machine.
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=False)
             self._started_ray = True
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})

@@ -4,8 +4,11 @@ per-replica metrics, and the one-line errors of bad cluster options."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import openai
@@ -24,11 +27,12 @@ def model_dir(replica_model_dir):
 
 @pytest.fixture(scope="module")
 def prefix_aware(model_dir, tmp_path_factory):
-    with replica_cluster(model_dir, tmp_path_factory, "--routing", "prefix-aware") as (_, url):
-        yield url
+    with replica_cluster(model_dir, tmp_path_factory, "--routing", "prefix-aware") as (proc, url):
+        yield url, proc
 
 
 def test_openai_client_chat_completions_and_streaming(prefix_aware, model_dir):
+    prefix_aware, _ = prefix_aware
     from fivefold import LLM, SamplingParams
 
     client = openai.OpenAI(base_url=prefix_aware + "/v1", api_key="x")
@@ -54,6 +58,7 @@ def test_openai_client_chat_completions_and_streaming(prefix_aware, model_dir):
 
 
 def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(prefix_aware, model_dir):
+    prefix_aware, _ = prefix_aware
     router = PrefixAwareRouter(block_size=16)
     prefixes: dict[str, list[str]] = {}
     for start in range(3, 260, 32):  # two 2-block prefixes that the ring gives to different replicas
@@ -83,6 +88,25 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(prefix_aware, model_d
     total = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "fivefold:request_success_total" and "replica" not in s.labels)
     assert total == sum(per_replica(prefix_aware, "fivefold:request_success_total").values())
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_stops_ray(prefix_aware, model_dir):
+    url, proc = prefix_aware
+    body = {"model": model_dir, "prompt": "w90 w91", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(reply=httpx.post(
+        url + "/v1/completions", json=body, headers={"Cache-Control": "no-cache"}, timeout=120)))
+    sender.start()
+    deadline = time.time() + 30
+    while sum(per_replica(url, "fivefold:replica_in_flight").values()) < 1:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    sender.join(120)
+    assert result["reply"].status_code == 200 and result["reply"].json()["usage"]["completion_tokens"] == 2000
+    assert proc.wait(60) == 0
+    left = subprocess.run(["pgrep", "-f", "ServeReplica:fivefold-replica|gcs_server"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the Ray this server started is stopped with it"
 
 
 def test_bad_cluster_options_are_one_line_errors(model_dir):
