@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--url", default="http://127.0.0.1:8000")
     bs.add_argument("--model", default=DEFAULT_LLM)
     bs.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "pydoc"])
+    bs.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
     bs.add_argument("--num-requests", type=int, default=64)
     bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     bs.add_argument("--max-concurrency", type=int, default=None, help="closed-loop clients")

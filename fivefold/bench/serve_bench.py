@@ -35,15 +35,22 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
-def make_prompts(dataset: str, num: int, input_len: int, seed: int, vocab_size: int = 49152) -> list[list[int]]:
-    """Token-id prompts (sent as token ids, so no tokenizer is needed on the client)."""
+def make_prompts(dataset: str, num: int, input_len: int, seed: int, vocab_size: int = 49152,
+                 num_prefixes: int = 1) -> list[list[int]]:
+    """Token-id prompts (sent as token ids, so no tokenizer is needed on the client).
+
+    shared-prefix: ``num_prefixes`` distinct prefixes (system prompts) of 3/4 of
+    ``input_len``; each request takes one at random and adds its own tokens."""
     rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab_size - 100) for _ in range(n)]
+
     if dataset == "random":
-        return [[rng.randrange(100, vocab_size - 100) for _ in range(input_len)] for _ in range(num)]
+        return [tokens(input_len) for _ in range(num)]
     if dataset == "shared-prefix":
-        prefix = [rng.randrange(100, vocab_size - 100) for _ in range(input_len * 3 // 4)]
-        return [prefix + [rng.randrange(100, vocab_size - 100) for _ in range(input_len - len(prefix))]
-                for _ in range(num)]
+        prefixes = [tokens(input_len * 3 // 4) for _ in range(num_prefixes)]
+        return [p + tokens(input_len - len(p)) for p in (rng.choice(prefixes) if num_prefixes > 1 else prefixes[0] for _ in range(num))]
     if dataset == "pydoc":  # the default model's tokenizer over pydoc_data's English
         from fivefold.data import corpus_ids
         from fivefold.models.gguf_file import open_gguf
@@ -171,7 +178,10 @@ def main(args) -> int:
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise FivefoldError("--num-requests, --input-len and --output-len must be >= 1")
     slo = parse_slo(args.slo)
-    prompts = make_prompts(args.dataset, args.num_requests, args.input_len, args.seed)
+    if args.num_prefixes < 1:
+        raise FivefoldError(f"--num-prefixes must be >= 1, got {args.num_prefixes}")
+    prompts = make_prompts(args.dataset, args.num_requests, args.input_len, args.seed,
+                           num_prefixes=args.num_prefixes)
     url = args.url.rstrip("/").removesuffix("/v1")
     with Progress(transient=True) as bar:
         task = bar.add_task("requests", total=len(prompts))

@@ -117,6 +117,19 @@ def aggregate_metrics(texts: dict[str, str]) -> str:
     return generate_latest(registry).decode()
 
 
+def metric_by_replica(metrics_text: str, name: str) -> dict[str, float]:
+    """A sample's value summed per ``replica`` label (other labels summed over), from the
+    front's /metrics text; e.g. ``fivefold:prefix_cache_hits_total``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name and "replica" in s.labels:
+                values[s.labels["replica"]] = values.get(s.labels["replica"], 0.0) + s.value
+    return values
+
+
 class ReplicaSet:
     """Owns the Ray connection, the replicas' Serve applications and their handles,
     their health and this front's in-flight count on each (one owner per resource)."""

@@ -3,15 +3,14 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from fivefold.bench.server_process import serve_process  # noqa: F401  (the tests' import path)
+from fivefold.serve.cluster import metric_by_replica
 from tests.conftest import save_random_hf_model
 
 
@@ -36,45 +35,6 @@ def running_server(app):
     finally:
         srv.should_exit = True
         thread.join(10)
-
-
-@contextlib.contextmanager
-def serve_process(*args: str, timeout: float = 120, log_path=None):
-    """`fivefold serve ARGS` in a subprocess on a free port; yield (process, base URL) once
-    /health answers. A process still running at the end gets SIGTERM (its graceful
-    shutdown, which also stops the Ray it started), then SIGKILL if that takes over 60 s.
-    With ``log_path`` its output goes to that file instead of pipes (a chatty process,
-    such as one running Ray, would otherwise fill a pipe nobody reads and block)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(log_path, "w") if log_path else None
-    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--port", str(port), *args],
-                            stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log else subprocess.PIPE,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.time() > deadline or proc.poll() is not None:
-                    output = open(log_path).read() if log else proc.stderr.read() if proc.poll() is not None else ""
-                    raise AssertionError(f"the server did not start: {output[-3000:] or 'timeout'}")
-                time.sleep(0.3)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-        if log:
-            log.close()
 
 
 def wait_until_idle(engine, seconds: float = 10) -> None:
@@ -109,12 +69,5 @@ def replica_cluster(model_dir, tmp_path_factory, *args):
 
 
 def per_replica(url: str, name: str) -> dict[str, float]:
-    """Sum of a metric's samples for each replica label, from the front's /metrics."""
-    values = dict.fromkeys(REPLICAS, 0.0)
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            if s.name == name and "replica" in s.labels:
-                values[s.labels["replica"]] += s.value
-    return values
-
-
+    """A metric's value for each replica (0 where absent), from the front's /metrics."""
+    return dict.fromkeys(REPLICAS, 0.0) | metric_by_replica(httpx.get(url + "/metrics").text, name)
