@@ -20,7 +20,10 @@ Failures: a replica whose process dies fails the requests it had in flight with 
 (``replica_unavailable``; a stream that had started ends with an error event carrying
 the same message) and leaves routing at once; the others keep serving. Ray Serve starts
 a new process for it, and the health watch (every ``health_check_period`` seconds) puts
-it back in routing when it answers. ``/health`` is 503 only while no replica is healthy.
+it back in routing when it answers. A replica that dies idle has no request to tell us:
+the watch takes it out when Ray Serve's status no longer shows it running or a probe
+goes unanswered for ``health_check_timeout``. ``/health`` is 503 only while no replica
+is healthy.
 
 ``/metrics`` is the front's own counters (requests routed to and failed on each
 replica, restarts, health) followed by every replica's metrics twice: summed over the
@@ -62,7 +65,7 @@ class ClusterConfig:
     ray_address: str | None = None
     num_cpus_per_replica: float | None = None
     health_check_period: float = 1.0
-    health_check_timeout: float = 5.0
+    health_check_timeout: float = 2.0
     start_timeout: float = 900.0
     shutdown_grace: float = 30.0
     app_prefix: str = "fivefold-replica"
@@ -201,7 +204,7 @@ class ReplicaSet:
             EngineReplica, name="engine", num_replicas=1,
             # The engine batches and queues by itself (with its own limits): Serve must not.
             max_ongoing_requests=100_000, ray_actor_options={"num_cpus": cpus},
-            health_check_period_s=2, health_check_timeout_s=30,
+            health_check_period_s=1, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=cfg.shutdown_grace, graceful_shutdown_wait_loop_s=0.5)
         targets = [serve.RunTarget(deployment.bind(spec, rid), name=self.app_name(rid), route_prefix=None)
                    for rid in self.replica_ids]
@@ -282,11 +285,11 @@ class ReplicaSet:
         """The replica for a request (raises ReplicaUnavailableError when none is healthy)."""
         return self.router.choose(prompt_ids, self.loads())
 
-    async def _call(self, replica_id: str, method: str, *args):
-        """One unary call on a replica, bounded by the health-check timeout."""
+    async def _call(self, replica_id: str, method: str, *args, timeout: float | None = None):
+        """One unary call on a replica, bounded by ``timeout`` (default: the health-check timeout)."""
         response = getattr(self._handles[replica_id], method).remote(*args)
         try:
-            return await asyncio.wait_for(_awaited(response), self.config.health_check_timeout)
+            return await asyncio.wait_for(_awaited(response), timeout or self.config.health_check_timeout)
         except BaseException:
             response.cancel()
             raise
@@ -306,11 +309,36 @@ class ReplicaSet:
         self._capacity[replica_id] = info["max_num_seqs"]
         self._set_healthy(replica_id, True)
 
+    def _running_apps(self) -> set[str]:
+        """Applications whose replica Ray Serve reports RUNNING (a dead one drops out at once)."""
+        from ray import serve
+
+        running = set()
+        for name, app in serve.status().applications.items():
+            if any(d.replica_states.get("RUNNING", 0) > 0 for d in app.deployments.values()):
+                running.add(name)
+        return running
+
     async def watch(self) -> None:
-        """Probe every replica every ``health_check_period`` seconds, until cancelled."""
-        while True:
-            await asyncio.sleep(self.config.health_check_period)
-            await asyncio.gather(*(self.probe(rid) for rid in self.replica_ids))
+        """Every ``health_check_period`` seconds, until cancelled: a replica Ray Serve no
+        longer runs leaves routing (an idle replica that died has no request to fail and
+        tell us); the others are probed."""
+        probes: dict[str, asyncio.Future] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.config.health_check_period)
+                try:
+                    running = await asyncio.to_thread(self._running_apps)
+                except Exception:  # the controller is busy or restarting: rely on the probes
+                    running = {self.app_name(rid) for rid in self.replica_ids}
+                for rid in self.replica_ids:
+                    if self.app_name(rid) not in running:
+                        self._set_healthy(rid, False)
+                    elif rid not in probes or probes[rid].done():  # a slow probe never holds up the loop
+                        probes[rid] = asyncio.ensure_future(self.probe(rid))
+        finally:
+            for probe in probes.values():
+                probe.cancel()
 
     async def stream(self, replica_id: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
         """Forward one HTTP request to a replica: yield ``(status, headers)``, then body
@@ -345,7 +373,9 @@ class ReplicaSet:
         from prometheus_client import generate_latest
 
         ids = [rid for rid in self.replica_ids if self._is_healthy[rid]]
-        answers = await asyncio.gather(*(self._call(rid, "metrics_text") for rid in ids), return_exceptions=True)
+        # A scrape must not hang on a replica that died a moment ago: it is left out after 2 s.
+        answers = await asyncio.gather(*(self._call(rid, "metrics_text", timeout=2.0) for rid in ids),
+                                       return_exceptions=True)
         texts = {rid: text for rid, text in zip(ids, answers) if isinstance(text, str)}
         return generate_latest(self.registry).decode() + aggregate_metrics(texts)
 

@@ -133,3 +133,20 @@ def test_killed_replica_fails_only_its_in_flight_requests(round_robin_redis, mod
     assert served_by == set(REPLICAS)
 
 
+
+
+def test_idle_replica_death_is_noticed_and_metrics_do_not_hang(round_robin_redis):
+    url = round_robin_redis
+    os.kill(replica_pid("replica-1"), signal.SIGKILL)
+    killed = time.time()
+    while per_replica(url, "fivefold:replica_healthy")["replica-1"] != 0:
+        assert time.time() - killed < 10, "an idle replica's death went unnoticed"
+        time.sleep(0.1)
+    start = time.time()
+    httpx.get(url + "/metrics", timeout=10)
+    assert time.time() - start < 3, "a scrape must not wait on a dead replica"
+    deadline = time.time() + 180
+    while per_replica(url, "fivefold:replica_healthy")["replica-1"] != 1:
+        assert time.time() < deadline, "replica-1 did not come back"
+        time.sleep(0.5)
+    assert per_replica(url, "fivefold:replica_restarts_total")["replica-1"] == 1
