@@ -333,9 +333,14 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-def _serve_encoder(args, path) -> int:
+def _run_uvicorn(app, args) -> None:
     import uvicorn
 
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_grace)
+
+
+def _serve_encoder(args, path) -> int:
     from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig
     from fivefold.serve.embeddings import create_embeddings_server
 
@@ -355,55 +360,43 @@ def _serve_encoder(args, path) -> int:
     app, batcher, _ = create_embeddings_server(path, config, name, args.api_key, args.max_body_bytes, log)
     print(f"fivefold: serving {args.model} (embeddings) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_grace)
+        _run_uvicorn(app, args)
     finally:
         batcher.shutdown()
     return 0
 
 
-def _result_cache(args):
-    from fivefold.cache.result_cache import make_result_cache
+def _server_spec(args):
+    from fivefold.serve.app import ServerSpec
 
-    if args.result_cache_entries <= 0:
-        return None
-    return make_result_cache(args.result_cache, args.result_cache_entries, args.result_cache_bytes,
-                             args.prompt_version)
+    return ServerSpec(model=args.model, served_model_name=args.served_model_name or args.model, dtype=args.dtype,
+                      engine_options=_engine_options(args), max_queued_requests=args.max_queued_requests,
+                      max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout,
+                      result_cache=args.result_cache if args.result_cache_entries > 0 else None,
+                      result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
+                      prompt_version=args.prompt_version, max_body_bytes=args.max_body_bytes)
 
 
-def _serve_replicas(args) -> int:
-    import uvicorn
-
+def _serve_replicas(args, spec) -> int:
     from fivefold.engine.config import EngineConfig
     from fivefold.models.loader import load_tokenizer
     from fivefold.serve.cluster import ClusterConfig, ReplicaSet, build_cluster_app
-    from fivefold.serve.replica import ReplicaSpec
 
     # Everything a replica would fail on is checked here first, for a one-line error.
     config = ClusterConfig(num_replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
                            num_cpus_per_replica=args.replica_cpus, shutdown_grace=args.shutdown_grace)
-    options = _engine_options(args)
-    EngineConfig(**options)
+    EngineConfig(**spec.engine_options)
     tokenizer, _ = load_tokenizer(args.model)
-    _result_cache(args)  # a bad URL or an unreachable Redis fails now, not in every replica
-    name = args.served_model_name or args.model
-    spec = ReplicaSpec(model=args.model, served_model_name=name, dtype=args.dtype, engine_options=options,
-                       max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
-                       queue_timeout=args.queue_timeout,
-                       result_cache=args.result_cache if args.result_cache_entries > 0 else None,
-                       result_cache_entries=max(1, args.result_cache_entries),
-                       result_cache_bytes=args.result_cache_bytes, prompt_version=args.prompt_version,
-                       max_body_bytes=args.max_body_bytes)
+    spec.make_result_cache()  # a bad URL or an unreachable Redis fails now, not in every replica
     replicas = ReplicaSet(spec, config)
     try:
         replicas.start()
-        app = build_cluster_app(replicas, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = build_cluster_app(replicas, tokenizer, spec.served_model_name, api_key=args.api_key,
+                                max_body_bytes=args.max_body_bytes)
         print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
-              f"({args.routing} routing, result cache: "
-              f"{args.result_cache if args.result_cache_entries > 0 else 'off'})", file=sys.stderr)
+              f"({args.routing} routing, result cache: {spec.result_cache or 'off'})", file=sys.stderr)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                        timeout_graceful_shutdown=args.shutdown_grace)
+            _run_uvicorn(app, args)
         except SystemExit as exc:
             # uvicorn re-raises the signal after its graceful shutdown, and Ray's driver
             # handler turns it into SystemExit(signum): that is a normal stop.
@@ -415,33 +408,22 @@ def _serve_replicas(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from fivefold.batching.encoder import is_encoder_dir
     from fivefold.models.registry import resolve_model_path
-    from fivefold.serve.app import build_app
-    from fivefold.serve.async_engine import AsyncEngine
+    from fivefold.serve.app import create_llm_server
 
     path = resolve_model_path(args.model)
     if is_encoder_dir(path):
         if args.replicas is not None:
             raise FivefoldError("--replicas serves LLMs; an embeddings model is served by one process")
         return _serve_encoder(args, path)
+    spec = _server_spec(args)
     if args.replicas is not None:
-        return _serve_replicas(args)
-
-    llm = _llm(args)
-    from fivefold.serve.metrics import ServerMetrics
-
-    name = args.served_model_name or args.model
-    engine = AsyncEngine(llm.engine, ServerMetrics(name), max_queued_requests=args.max_queued_requests,
-                         max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout)
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                    result_cache=_result_cache(args), prompt_version=args.prompt_version)
+        return _serve_replicas(args, spec)
+    engine, app = create_llm_server(spec, api_key=args.api_key)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_grace)
+        _run_uvicorn(app, args)
     finally:
         engine.shutdown()  # aborts whatever outlived the grace period
     return 0

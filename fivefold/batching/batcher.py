@@ -15,8 +15,8 @@ buckets while real / padded tokens stays at or above ``min_padding_efficiency`` 
 short request padded into a batch costs little; running it alone later costs a whole
 forward). Lengths past the last bucket boundary share one overflow bucket.
 
-Each request gets a ``concurrent.futures.Future`` (``submit``) or an awaitable
-(``submit_async``). Cancelling it while queued removes it (it never runs). A request
+Each request gets a ``concurrent.futures.Future`` (``submit``; asyncio wraps it with
+``asyncio.wrap_future``). Cancelling it while queued removes it (it never runs). A request
 still queued after ``request_timeout`` fails with QueueTimeoutError. ``submit_many``
 refuses with OverloadedError when the queue would exceed ``max_queued_requests``. A
 request longer than ``max_batch_tokens`` can never run and is refused with
@@ -25,7 +25,6 @@ InvalidRequestError.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import itertools
 import threading
@@ -128,10 +127,6 @@ class DynamicBatcher:
             self._num_queued += len(requests)
             self._cond.notify_all()
         return [r.future for r in requests]
-
-    async def submit_async(self, payload: Any, length: int, timeout: float | None = None):
-        """``submit`` for asyncio: await the result; cancelling the awaiting task cancels the request."""
-        return await asyncio.wrap_future(self.submit(payload, length, timeout))
 
     def shutdown(self) -> None:
         """Stop the worker; requests still queued fail with OverloadedError."""

@@ -13,6 +13,7 @@ import copy
 import torch
 from torch import nn
 
+from fivefold.compress.distill import every_other_layer
 from fivefold.compress.structured import channel_groups, prune_channels
 from fivefold.errors import FivefoldError
 from fivefold.models.layers import linear_from
@@ -49,5 +50,5 @@ def prune_encoder_heads(model: nn.Module, num_heads: int) -> nn.Module:
 def every_other_layer_encoder(model: nn.Module) -> nn.Module:
     """A student initialised from the teacher's layers 0, 2, 4, ... (DistilBERT's recipe)."""
     student = copy.deepcopy(model)
-    student.encoder.layer = nn.ModuleList(list(student.encoder.layer)[::2])
+    student.encoder.layer = nn.ModuleList(every_other_layer(student.encoder.layer))
     return student

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fivefold.compress.distill import every_other_layer
 from fivefold.errors import FivefoldError
 from fivefold.models.layers import linear_from
 
@@ -159,7 +160,7 @@ def prune_attention_groups_(loaded, num_groups: int):
 def every_other_layer_student(loaded):
     """A copy of ``loaded`` keeping decoder layers 0, 2, 4, ... (DistilBERT's initialisation)."""
     student = copy.deepcopy(loaded)
-    student.model.layers = nn.ModuleList(list(student.model.layers)[::2])
+    student.model.layers = nn.ModuleList(every_other_layer(student.model.layers))
     return _with_config(student, student.model, num_layers=len(student.model.layers))
 
 

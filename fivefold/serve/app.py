@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,39 @@ from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One LLM server, as ``fivefold serve`` runs it alone or as each of ``--replicas`` (the
+    spec is what is sent to every replica)."""
+
+    model: str
+    served_model_name: str
+    dtype: str = "float32"
+    engine_options: dict = field(default_factory=dict)
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    queue_timeout: float | None = None
+    result_cache: str | None = "memory"  # None: off; "memory" or a redis:// URL
+    result_cache_entries: int = 1024
+    result_cache_bytes: int = 64 << 20
+    prompt_version: str = "v1"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    num_threads: int | None = None  # torch threads (a replica's share of its node); None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise FivefoldError(f"a server needs at least 1 thread, got {self.num_threads}")
+
+    def make_result_cache(self):
+        """The result cache this spec names, or None (raises FivefoldError on a bad backend)."""
+        from fivefold.cache.result_cache import make_result_cache
+
+        if self.result_cache is None:
+            return None
+        return make_result_cache(self.result_cache, self.result_cache_entries, self.result_cache_bytes,
+                                 self.prompt_version)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -52,16 +85,22 @@ def model_fingerprint(engine: AsyncEngine) -> str:
     return f"{content_hash(str(loaded.path))}|{loaded.model.dtype}"
 
 
-def build_base_app(model_name: str, metrics_registry, api_key: str | None = None,
-                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_text=None, is_healthy=None,
-                   lifespan=None) -> FastAPI:
-    """What every fivefold server has: the body-size and API-key guard, OpenAI-style error
-    bodies, ``/health``, ``/metrics`` (``metrics_registry()`` -> a prometheus registry or
-    None) and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it.
+def registry_text(registry):
+    """``metrics_text`` for build_base_app: the exposition of one prometheus registry (or none)."""
+    async def text() -> str:
+        from prometheus_client import generate_latest
 
-    The replicated front (cluster.py) passes instead ``metrics_text`` (a coroutine function
-    returning the exposition), ``is_healthy`` (``/health`` answers 503 when it is false) and
-    a ``lifespan`` for its background work."""
+        return "" if registry is None else generate_latest(registry).decode()
+    return text
+
+
+def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
+                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, is_healthy=None, lifespan=None) -> FastAPI:
+    """What every fivefold server has: the body-size and API-key guard, OpenAI-style error
+    bodies, ``/health``, ``/metrics`` (``await metrics_text()``, e.g. ``registry_text(r)``)
+    and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it; the
+    replicated front (cluster.py) also passes ``is_healthy`` (``/health`` answers 503 when
+    it is false) and a ``lifespan`` for its background work."""
     app = FastAPI(title="Fivefold", version="0.1.0", lifespan=lifespan)
 
     # A pure ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) wraps the
@@ -120,14 +159,9 @@ def build_base_app(model_name: str, metrics_registry, api_key: str | None = None
     @app.get("/metrics")
     async def metrics():
         from fastapi.responses import Response
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        if metrics_text is not None:
-            return Response(await metrics_text(), media_type=CONTENT_TYPE_LATEST)
-        registry = metrics_registry()
-        if registry is None:
-            return Response("", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -163,7 +197,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     seed) are answered from it when the same request was answered before under the same
     prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
     bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
-    app = build_base_app(model_name, lambda: None if engine.metrics is None else engine.metrics.registry,
+    app = build_base_app(model_name, registry_text(None if engine.metrics is None else engine.metrics.registry),
                          api_key, max_body_bytes)
     tokenizer = engine.tokenizer
     fingerprint = model_fingerprint(engine)
@@ -407,3 +441,21 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         )
 
     return app
+
+
+def create_llm_server(spec: ServerSpec, api_key: str | None = None) -> tuple[AsyncEngine, FastAPI]:
+    """(engine, app): the model loaded, its engine thread running, the app over it."""
+    import torch
+
+    from fivefold.llm import LLM
+    from fivefold.serve.metrics import ServerMetrics
+
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    llm = LLM(spec.model, spec.dtype, **spec.engine_options)
+    engine = AsyncEngine(llm.engine, ServerMetrics(spec.served_model_name),
+                         max_queued_requests=spec.max_queued_requests, max_queued_tokens=spec.max_queued_tokens,
+                         queue_timeout=spec.queue_timeout)
+    app = build_app(engine, spec.served_model_name, api_key=api_key, max_body_bytes=spec.max_body_bytes,
+                    result_cache=spec.make_result_cache(), prompt_version=spec.prompt_version)
+    return engine, app

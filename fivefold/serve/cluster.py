@@ -44,7 +44,8 @@ from dataclasses import dataclass, replace
 from fastapi import Request
 
 from fivefold.errors import FivefoldError, ReplicaUnavailableError
-from fivefold.serve.replica import EngineReplica, ReplicaSpec
+from fivefold.serve.app import ServerSpec
+from fivefold.serve.replica import EngineReplica
 from fivefold.serve.routing import ROUTING_POLICIES, PrefixAwareRouter, ReplicaLoad, make_router
 
 CLUSTER_HINT = "pip install 'fivefold[cluster]'"
@@ -137,7 +138,7 @@ class ReplicaSet:
     """Owns the Ray connection, the replicas' Serve applications and their handles,
     their health and this front's in-flight count on each (one owner per resource)."""
 
-    def __init__(self, spec: ReplicaSpec, config: ClusterConfig, log=None) -> None:
+    def __init__(self, spec: ServerSpec, config: ClusterConfig, log=None) -> None:
         try:
             import ray  # noqa: F401
             from ray import serve  # noqa: F401
@@ -166,8 +167,12 @@ class ReplicaSet:
         self.m_failed = per_replica(Counter, "replica_failed_requests",
                                     "In-flight requests failed (503) because their replica died.")
         self.m_restarts = per_replica(Counter, "replica_restarts", "Replica processes replaced after a failure.")
-        self.m_healthy = per_replica(Gauge, "replica_healthy", "1 while the replica is in routing.")
-        self.m_in_flight = per_replica(Gauge, "replica_in_flight", "Requests the front has in flight on the replica.")
+        # Read from the front's own state at scrape time, never kept twice.
+        for rid, gauge in per_replica(Gauge, "replica_healthy", "1 while the replica is in routing.").items():
+            gauge.set_function(lambda rid=rid: float(self._is_healthy[rid]))
+        for rid, gauge in per_replica(Gauge, "replica_in_flight",
+                                      "Requests the front has in flight on the replica.").items():
+            gauge.set_function(lambda rid=rid: float(self._in_flight[rid]))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -265,17 +270,10 @@ class ReplicaSet:
     def has_healthy(self) -> bool:
         return any(self._is_healthy.values())
 
-    def is_healthy(self, replica_id: str) -> bool:
-        return self._is_healthy[replica_id]
-
-    def pid(self, replica_id: str) -> int:
-        return self._pids[replica_id]
-
     def _set_healthy(self, replica_id: str, is_healthy: bool) -> None:
         if self._is_healthy[replica_id] != is_healthy:
             self.log(f"fivefold: {replica_id} {'in routing' if is_healthy else 'out of routing'}")
         self._is_healthy[replica_id] = is_healthy
-        self.m_healthy[replica_id].set(1 if is_healthy else 0)
 
     def loads(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(rid, num_running=self._in_flight[rid], capacity=self._capacity.get(rid, 64),
@@ -285,11 +283,13 @@ class ReplicaSet:
         """The replica for a request (raises ReplicaUnavailableError when none is healthy)."""
         return self.router.choose(prompt_ids, self.loads())
 
-    async def _call(self, replica_id: str, method: str, *args, timeout: float | None = None):
-        """One unary call on a replica, bounded by ``timeout`` (default: the health-check timeout)."""
+    async def _call(self, replica_id: str, method: str, *args):
+        """One unary call on a replica, bounded by the health-check timeout: Ray Serve queues a
+        call for a replica that died a moment ago instead of failing it, and no probe or
+        scrape may wait on that."""
         response = getattr(self._handles[replica_id], method).remote(*args)
         try:
-            return await asyncio.wait_for(_awaited(response), timeout or self.config.health_check_timeout)
+            return await asyncio.wait_for(_awaited(response), self.config.health_check_timeout)
         except BaseException:
             response.cancel()
             raise
@@ -348,7 +348,6 @@ class ReplicaSet:
 
         self.m_routed[replica_id].inc()
         self._in_flight[replica_id] += 1
-        self.m_in_flight[replica_id].set(self._in_flight[replica_id])
         response = self._handles[replica_id].options(stream=True).handle.remote(method, path, headers, body)
         is_done = False
         try:
@@ -364,7 +363,6 @@ class ReplicaSet:
                 f"until it restarts and the other replicas keep serving: retry") from None
         finally:
             self._in_flight[replica_id] -= 1
-            self.m_in_flight[replica_id].set(self._in_flight[replica_id])
             if not is_done:
                 response.cancel()
 
@@ -373,9 +371,7 @@ class ReplicaSet:
         from prometheus_client import generate_latest
 
         ids = [rid for rid in self.replica_ids if self._is_healthy[rid]]
-        # A scrape must not hang on a replica that died a moment ago: it is left out after 2 s.
-        answers = await asyncio.gather(*(self._call(rid, "metrics_text", timeout=2.0) for rid in ids),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(*(self._call(rid, "metrics_text") for rid in ids), return_exceptions=True)
         texts = {rid: text for rid, text in zip(ids, answers) if isinstance(text, str)}
         return generate_latest(self.registry).decode() + aggregate_metrics(texts)
 
@@ -413,7 +409,7 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
         finally:
             watch.cancel()
 
-    app = build_base_app(model_name, lambda: None, api_key, max_body_bytes, metrics_text=replicas.metrics_text,
+    app = build_base_app(model_name, replicas.metrics_text, api_key, max_body_bytes,
                          is_healthy=replicas.has_healthy, lifespan=lifespan)
 
     async def forward(request: Request):

@@ -30,6 +30,7 @@ from fivefold.serve.app import (
     await_unless_disconnected,
     build_base_app,
     check_model,
+    registry_text,
 )
 from fivefold.serve.protocol import EmbeddingRequest
 
@@ -38,7 +39,7 @@ MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
 
 def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
                          api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = build_base_app(model_name, lambda: metrics_registry, api_key, max_body_bytes)
+    app = build_base_app(model_name, registry_text(metrics_registry), api_key, max_body_bytes)
 
     def token_lists(req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input

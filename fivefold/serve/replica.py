@@ -1,8 +1,7 @@
 """One engine replica: the single-engine server app, run inside a Ray Serve deployment.
 
-A replica is exactly what ``fivefold serve`` runs with one engine (``build_app`` over an
-``AsyncEngine``: validation, queue limits, result cache, streaming, metrics), loaded in
-its own process. The front (fivefold/serve/cluster.py) does not re-implement any of it:
+A replica is exactly what ``fivefold serve`` runs with one engine (``create_llm_server``:
+validation, queue limits, result cache, streaming, metrics), loaded in its own process. The front (fivefold/serve/cluster.py) does not re-implement any of it:
 it forwards each HTTP request it routed here through :meth:`EngineReplica.handle`, which
 calls the app in-process (``call_asgi``) and streams the response back, status first.
 
@@ -14,33 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from fivefold.errors import FivefoldError
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """Everything a replica needs to build its engine and app (sent to every replica)."""
-
-    model: str
-    served_model_name: str
-    dtype: str = "float32"
-    engine_options: dict = field(default_factory=dict)
-    max_queued_requests: int | None = None
-    max_queued_tokens: int | None = None
-    queue_timeout: float | None = None
-    result_cache: str | None = "memory"  # None: off; "memory" or a redis:// URL
-    result_cache_entries: int = 1024
-    result_cache_bytes: int = 64 << 20
-    prompt_version: str = "v1"
-    max_body_bytes: int = 1 << 20
-    num_threads: int = 1  # torch threads: the replica's share of the node's cores
-
-    def __post_init__(self) -> None:
-        if self.num_threads < 1:
-            raise FivefoldError(f"a replica needs at least 1 thread, got {self.num_threads}")
+from fivefold.serve.app import ServerSpec
 
 
 async def call_asgi(app, method: str, path: str, headers: list[tuple[str, str]],
@@ -101,26 +76,12 @@ async def call_asgi(app, method: str, path: str, headers: list[tuple[str, str]],
 class EngineReplica:
     """The body of a Ray Serve replica: one engine and its app (see the module doc)."""
 
-    def __init__(self, spec: ReplicaSpec, replica_id: str) -> None:
-        import torch
+    def __init__(self, spec: ServerSpec, replica_id: str) -> None:
+        from fivefold.serve.app import create_llm_server
 
-        from fivefold.cache.result_cache import make_result_cache
-        from fivefold.llm import LLM
-        from fivefold.serve.app import build_app
-        from fivefold.serve.async_engine import AsyncEngine
-        from fivefold.serve.metrics import ServerMetrics
-
-        torch.set_num_threads(spec.num_threads)
         self.replica_id = replica_id
-        llm = LLM(spec.model, spec.dtype, **spec.engine_options)
-        self.engine = AsyncEngine(llm.engine, ServerMetrics(spec.served_model_name),
-                                  max_queued_requests=spec.max_queued_requests,
-                                  max_queued_tokens=spec.max_queued_tokens, queue_timeout=spec.queue_timeout)
-        cache = None if spec.result_cache is None else make_result_cache(
-            spec.result_cache, spec.result_cache_entries, spec.result_cache_bytes, spec.prompt_version)
         # The front checked the API key and the body size; the replica trusts it.
-        self.app = build_app(self.engine, spec.served_model_name, max_body_bytes=spec.max_body_bytes,
-                             result_cache=cache, prompt_version=spec.prompt_version)
+        self.engine, self.app = create_llm_server(spec)
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
         """Stream one forwarded HTTP request's response: ``(status, headers)``, then bytes."""
@@ -128,12 +89,9 @@ class EngineReplica:
             yield item
 
     def info(self) -> dict:
-        """Identity and load: what the front's router and health watch read."""
-        sched = self.engine.engine.scheduler
-        config = self.engine.engine.config
-        return {"replica_id": self.replica_id, "pid": os.getpid(), "num_running": len(sched.running),
-                "num_waiting": len(sched.waiting), "max_num_seqs": config.max_num_seqs,
-                "block_size": config.block_size}
+        """What the front's health watch reads: the process (a new one means a restart) and
+        the batch capacity the router weighs load against."""
+        return {"pid": os.getpid(), "max_num_seqs": self.engine.engine.config.max_num_seqs}
 
     def metrics_text(self) -> str:
         """This replica's Prometheus exposition (the front aggregates and labels them)."""

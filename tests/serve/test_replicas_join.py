@@ -40,8 +40,8 @@ def test_join_an_existing_cluster_and_leave_it_running(replica_model_dir, tmp_pa
             time.sleep(1)
         os.environ["RAY_AUTH_MODE"] = "token"  # for the serve process, which inherits it
         try:
-            with replica_cluster(replica_model_dir, tmp_path_factory, "--replicas", "1",
-                                 "--ray-address", f"127.0.0.1:{port}") as (proc, url):
+            with replica_cluster(replica_model_dir, tmp_path_factory, "--ray-address", f"127.0.0.1:{port}",
+                                 num_replicas=1) as (proc, url):
                 body = {"model": replica_model_dir, "prompt": "w5 w6", "max_tokens": 3, "temperature": 0}
                 reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
                 assert reply.status_code == 200 and reply.headers["x-fivefold-replica"] == "replica-0"
