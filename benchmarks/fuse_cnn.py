@@ -15,7 +15,6 @@ Every variant's output is checked against eager (max abs difference printed).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.fuse.graph_fuse import FuseConfig, fuse  # noqa: E402
 from fivefold.fuse.layout import median_us  # noqa: E402
 from fivefold.models.cnn import build_cnn  # noqa: E402
@@ -80,7 +80,7 @@ def main() -> None:
         "(median; speedup vs eager)", ("model", "batch", "variant", "ms", "speedup", "max |diff| vs eager"),
         [(r["model"], str(r["batch"]), r["variant"], f"{r['ms']:.2f}", f"{r['speedup']:.2f}x",
           f"{r['max_abs_diff']:.1e}") for r in rows]))
-    print(json.dumps({"benchmark": "fuse_cnn", "image_size": args.image_size, "rows": rows}))
+    print(json_line({"benchmark": "fuse_cnn", "image_size": args.image_size, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.bench.offline_bench import make_config, run_offline  # noqa: E402
 from fivefold.kernels import fused_ops  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> None:
         ("batch", "hot path eager", "hot path fused", "speedup"),
         [(str(r["batch"]), f"{r['eager_tok_s']:.1f}", f"{r['fused_tok_s']:.1f}", f"{r['speedup']:.2f}x")
          for r in engine]))
-    print(json.dumps({"benchmark": "fused_hot_path", "model": args.model, "ops": ops, "engine": engine}))
+    print(json_line({"benchmark": "fused_hot_path", "model": args.model, "ops": ops, "engine": engine}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ Candidates:
   w8a8-int_mm        per-token dynamic int8 activations, torch._int_mm (int32 accumulation), rescale
   w8a8-onednn        onednn.qlinear_pointwise (u8 activations, per-tensor scale/zero point, VNNI)
   w8a8-fbgemm        quantized.linear_dynamic (fbgemm, per-tensor dynamic activations)
+  w8a8-fivefold-exact our C++ int8 x int8 -> int32 kernel (exact on every CPU), per-token activations
+
+Without VNNI the library W8A8 kernels saturate (their rel. error column shows it);
+the last line says which kernel each W8A8 mode runs on this CPU (``fivefold env`` too).
 
     .venv/bin/python benchmarks/int8_kernels.py [--repeats 50]
 """
@@ -17,7 +21,6 @@ Candidates:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.quant import kernels  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -78,8 +82,10 @@ def main() -> None:
     summary = {f"M={m} {kern}": round(base_total / t, 3) for (m, kern), t in totals.items()
                for base_total in [totals[(m, "fp32-packed")]]}
     Console(width=120).print("sum over the five shapes, speed-up vs fp32-packed:", summary)
-    print(json.dumps({"benchmark": "int8_kernels", "threads": torch.get_num_threads(), "results": results,
-                      "summary": summary}))
+    chosen = {mode: kernels.w8a8_kernel(mode) for mode in kernels.LIBRARY_KERNELS}
+    Console(width=120).print("W8A8 kernel per activation mode on this CPU:", chosen)
+    print(json_line({"benchmark": "int8_kernels", "threads": torch.get_num_threads(), "results": results,
+                     "summary": summary, "chosen": chosen}))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Throughput counts requested output tokens only (a padded batch's extra tokens ar
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.data import corpus_ids  # noqa: E402
 from fivefold.llm import LLM  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
@@ -130,7 +130,7 @@ def main() -> None:
                       f"{r.get('hf_padded_batch_tok_s', float('nan')):.1f}", f"{r['vs_one_at_a_time']:.1f}x",
                       f"{r.get('vs_padded_batch', float('nan')):.2f}x")
     Console(width=130).print(table)
-    print(json.dumps({"benchmark": "offline_throughput", "model": args.model, "results": results}))
+    print(json_line({"benchmark": "offline_throughput", "model": args.model, "results": results}))
 
 
 if __name__ == "__main__":

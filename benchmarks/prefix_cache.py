@@ -9,7 +9,6 @@ Reports median TTFT, prefill tokens actually computed, and total time, float32.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.engine.config import EngineConfig  # noqa: E402
 from fivefold.engine.llm_engine import LLMEngine  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> None:
     print(f"median TTFT speedup with the prefix cache: {ratio:.1f}x")
     for r in (without, with_cache):
         del r["outputs"]
-    print(json.dumps({"benchmark": "prefix_cache", "model": args.model, "ttft_speedup": round(ratio, 2),
+    print(json_line({"benchmark": "prefix_cache", "model": args.model, "ttft_speedup": round(ratio, 2),
                       "results": [without, with_cache]}))
 
 

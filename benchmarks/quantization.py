@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.quant.config import Int8Config  # noqa: E402
 from fivefold.quant.quantize import quantize_  # noqa: E402
 
@@ -200,7 +200,7 @@ def main() -> None:
         out["minilm"] = minilm_report(console, args.quick)
     if "llm" in parts:
         out["llm"] = llm_report(console, args.quick)
-    print(json.dumps(out))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

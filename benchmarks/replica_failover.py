@@ -11,7 +11,6 @@ kernel's OOM killer would do it. Times are read from the front's own metrics
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from fivefold.bench.report import results_table  # noqa: E402
+from fivefold.bench.report import json_line, results_table  # noqa: E402
 from fivefold.bench.server_process import serve_process  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.serve.cluster import metric_by_replica  # noqa: E402
@@ -68,7 +67,7 @@ def main() -> None:
         ("start -> serving s", "SIGKILL -> out of routing s", "SIGKILL -> back in routing s", "SIGTERM -> exit s",
          "exit code"),
         [(f"{started:.1f}", f"{out_of_routing:.2f}", f"{back:.1f}", f"{stopped:.1f}", str(code))]))
-    print(json.dumps({"benchmark": "replica_failover", "model": args.model, **figures}))
+    print(json_line({"benchmark": "replica_failover", "model": args.model, **figures}))
 
 
 if __name__ == "__main__":

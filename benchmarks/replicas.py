@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from fivefold.bench.report import latency_stats, results_table  # noqa: E402
+from fivefold.bench.report import json_line, latency_stats, results_table  # noqa: E402
 from fivefold.bench.serve_bench import make_prompts, run_load  # noqa: E402
 from fivefold.bench.server_process import serve_process  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
@@ -107,7 +106,7 @@ def main() -> None:
                       f"round-robin computes {summary['prefill_computed_ratio_rr_over_pa']:.2f}x the prefill tokens; "
                       f"mean TTFT ratio (round-robin / prefix-aware) {summary['ttft_mean_ratio_rr_over_pa']:.2f}x "
                       "(both replicas share 2 cores here)")
-    print(json.dumps(summary))
+    print(json_line(summary))
 
 
 if __name__ == "__main__":

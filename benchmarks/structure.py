@@ -19,13 +19,12 @@ single-stream decode tokens/s against the original, in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.bench.report import results_table  # noqa: E402
+from fivefold.bench.report import json_line, results_table  # noqa: E402
 from fivefold.compress.digits_report import DigitsPlan, run_digits_report  # noqa: E402
 from fivefold.compress.sensitivity import scan_table  # noqa: E402
 
@@ -98,7 +97,7 @@ def main() -> None:
         from fivefold.compress.llm_report import run_llm_report
 
         out["llm"] = run_llm_report(heal_steps=args.heal_steps, console=console)
-    print(json.dumps(out, default=str))
+    print(json_line(out))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    sys.path.insert(0, str(ROOT))
+    from fivefold.bench.report import json_line
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1024,4096,8192")
     args = ap.parse_args()
@@ -71,7 +74,7 @@ def main() -> None:
                       f"{r['tiled_extra_mb']:.0f}", f"{r['sdpa_extra_mb']:.0f}",
                       f"{r['memory_share']:.1%}" if r["memory_share"] is not None else "-")
     Console(width=160).print(table)
-    print(json.dumps({"benchmark": "tiled_attention", "rows": rows}))
+    print(json_line({"benchmark": "tiled_attention", "rows": rows}))
 
 
 if __name__ == "__main__":

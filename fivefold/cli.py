@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("models", help="list the built-in models and where their files are")
+    env = sub.add_parser("env", help="this machine as the kernels see it (ISA, VNNI, bf16) and the kernel per path")
+    env.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     _add_model_args(gen)
@@ -266,6 +268,35 @@ def cmd_models(args) -> int:
         table.add_row(*row)
     width = sum(max(len(r[i]) for r in rows) for i in range(4)) + 16
     Console(width=max(width, 80)).print(table)
+    return 0
+
+
+def cmd_env(args) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from fivefold.platform import current_platform, kernel_choices
+
+    description = current_platform().describe()
+    choices = kernel_choices()
+    if args.json:
+        print(json.dumps({"platform": description, "kernels": dict(choices)}))
+        return 0
+    console = Console(width=130)
+    table = Table(title="this machine, as the kernels see it")
+    table.add_column("property")
+    table.add_column("value")
+    for key, value in description.items():
+        table.add_row(key, " ".join(value) if isinstance(value, list) else str(value))
+    console.print(table)
+    table = Table(title="kernel chosen for each path")
+    table.add_column("path")
+    table.add_column("kernel")
+    for path, kernel in choices:
+        table.add_row(path, kernel)
+    console.print(table)
     return 0
 
 
@@ -594,7 +625,7 @@ def cmd_bench(args) -> int:
     return bench_serve(args)
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
+COMMANDS = {"models": cmd_models, "env": cmd_env, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
             "runs": cmd_runs, "profile": cmd_profile,
             "demo": cmd_demo, "quantize": cmd_quantize, "fuse": cmd_fuse,
             "prune": cmd_prune, "distill": cmd_distill}

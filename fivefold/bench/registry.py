@@ -70,10 +70,14 @@ class Comparison:
 
 
 def machine_description() -> dict[str, Any]:
+    """OS, torch and this CPU as the kernels see it (ISA level, VNNI, bf16, forcing: ``fivefold.platform``)."""
     import torch
 
+    from fivefold.platform import current_platform
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": current_platform().describe()}
 
 
 def git_commit() -> str | None:

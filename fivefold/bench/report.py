@@ -5,7 +5,15 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fivefold.bench.registry import RunRegistry, model_fingerprint
+from fivefold.bench.registry import RunRegistry, machine_description, model_fingerprint
+
+
+def json_line(payload: dict[str, Any]) -> str:
+    """The one JSON line a benchmark prints, with the machine it ran on (``machine``: OS, torch,
+    threads and the CPU's ISA level, VNNI, bf16 and any forcing)."""
+    import json
+
+    return json.dumps({**payload, "machine": machine_description()}, default=str)
 
 
 def latency_stats(values: list[float]) -> dict[str, float]:

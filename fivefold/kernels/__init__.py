@@ -2,13 +2,20 @@
 
 Each is built once per machine and torch installation (about 30 s on 2 cores) into
 ``$FIVEFOLD_CACHE/torch_extensions`` (``make`` does it during set-up) and loaded from
-there afterwards. Each registers its ops with the dispatcher under
+there afterwards. The build directory is named by the torch installation and by
+:attr:`fivefold.platform.Platform.build_key` (architecture, ISA level, the CPU flags
+and ``-march`` it was compiled for), so a cache shared between an AVX-512 and an AVX2
+host never hands one a binary compiled for the other's instructions (SIGILL). With
+AVX2 forced (see :mod:`fivefold.platform`) the kernels are compiled for x86-64-v3.
+OpenMP: the extensions link ``libgomp.so.1``, which resolves to the copy torch has
+already loaded, so one OpenMP runtime (one thread pool) serves both. Each registers its ops with the dispatcher under
 ``torch.ops.fivefold`` (so torch.profiler sees them by name, with shapes). When no
 compiler is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall back to
 their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
 
 - ``paged_attention.cpp``: decode attention reading keys and values in place from KV blocks;
-- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches;
+- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches, and the
+  exact int8 x int8 -> int32 matmul that W8A8 runs where the libraries' kernels saturate;
 - ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k).
 """
 
@@ -36,16 +43,14 @@ def _load(name: str) -> object | None:
         from torch.utils.cpp_extension import load_inline
 
         from fivefold.models.tokenizer import cache_dir
+        from fivefold.platform import current_platform
 
-        # One build per torch installation: two environments sharing a build directory
-        # would recompile each other's build (ninja sees the include paths change).
-        key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
-        build_dir = cache_dir() / "torch_extensions" / f"{name}-{key}"
+        build_dir = cache_dir() / "torch_extensions" / build_dir_name(name)
         build_dir.mkdir(parents=True, exist_ok=True)
         load_inline(
             name=f"fivefold_{name}",
             cpp_sources=[(_SOURCES / f"{name}.cpp").read_text()],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", *current_platform().compile_flags, "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,  # the library registers its ops with the dispatcher when loaded
@@ -57,13 +62,25 @@ def _load(name: str) -> object | None:
     return _loaded.get(name)
 
 
+def build_dir_name(name: str) -> str:
+    """``<name>-<torch installation>-<platform build key>``: one build per torch installation (two
+    environments sharing a directory would recompile each other's build: ninja sees the include
+    paths change) and per instruction set compiled for."""
+    import torch
+
+    from fivefold.platform import current_platform
+
+    torch_key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
+    return f"{name}-{torch_key}-{current_platform().build_key}"
+
+
 def paged_attention_ops():
     """``torch.ops.fivefold`` with ``paged_decode_attention``, or None if it cannot be built."""
     return _load("paged_attention")
 
 
 def int8_ops():
-    """``torch.ops.fivefold`` with ``int8_weight_linear``, or None if it cannot be built."""
+    """``torch.ops.fivefold`` with ``int8_weight_linear`` and ``int8_int8_matmul``, or None if it cannot be built."""
     return _load("int8_linear")
 
 

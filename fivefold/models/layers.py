@@ -130,6 +130,19 @@ class PackedLinear(nn.Module):
     def is_available() -> bool:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
+    @staticmethod
+    def can_pack(dtype: torch.dtype) -> bool:
+        """Whether oneDNN packs weights of ``dtype`` on this CPU: float32 everywhere it exists,
+        bfloat16 only where PyTorch lets oneDNN run it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an
+        AVX2-only CPU the reorder raises a RuntimeError). Elsewhere the layer stays a dense nn.Linear."""
+        from fivefold.platform import current_platform
+
+        if not PackedLinear.is_available():
+            return False
+        if dtype == torch.float32:
+            return True
+        return dtype == torch.bfloat16 and current_platform().can_pack_bf16
+
     @property
     def weight(self) -> torch.Tensor:
         return self.packed_weight.to_dense()
@@ -158,10 +171,10 @@ def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Li
 
 
 def pack_linears_(model: nn.Module) -> nn.Module:
-    """Swap every plain nn.Linear of ``model`` for a :class:`PackedLinear` (in place; no-op without oneDNN)."""
-    if PackedLinear.is_available():
-        for module in [*model.modules()]:
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
+    """Swap every plain nn.Linear of ``model`` for a :class:`PackedLinear` (in place) where oneDNN can
+    pack its dtype on this CPU (:meth:`PackedLinear.can_pack`); the others stay dense."""
+    for module in [*model.modules()]:
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and PackedLinear.can_pack(child.weight.dtype):
+                setattr(module, name, PackedLinear(child))
     return model

@@ -8,6 +8,7 @@ tokenizer and its config. Every failure a user can cause is a one-line
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -135,9 +136,21 @@ def load_tokenizer(name_or_path: str) -> tuple[Tokenizer, ModelConfig]:
     return tokenizer, config
 
 
+def warn_if_slow_dtype(dtype: torch.dtype) -> None:
+    """One line when bfloat16 is asked for on a CPU without bf16 arithmetic (AVX512-BF16, AMX): it
+    runs (dense, upcast by PyTorch where oneDNN cannot pack it), but slower than float32."""
+    from fivefold.platform import current_platform
+
+    platform = current_platform()
+    if dtype == torch.bfloat16 and platform.is_x86 and not platform.has_bf16_compute:
+        warnings.warn(f"fivefold: bfloat16 is slower than float32 on this CPU ({platform.isa_level}, no "
+                      f"AVX512-BF16/AMX); --dtype float32 is faster here", stacklevel=3)
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load a built-in name, Hugging Face directory or GGUF file for serving."""
     torch_dtype = parse_dtype(dtype)
+    warn_if_slow_dtype(torch_dtype)
     path = resolve_model_path(name_or_path)
     fmt, location = find_checkpoint(path)
     config, tokenizer, reader = _config_and_tokenizer(fmt, location)

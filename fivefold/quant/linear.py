@@ -1,8 +1,11 @@
 """``Int8Linear``: the module that replaces ``nn.Linear`` and multiplies in int8.
 
-Kernel per scheme, chosen by ``benchmarks/int8_kernels.py`` on this machine (2 cores,
-AVX-512 VNNI; sums over SmolLM2's projection shapes, speed-up against the float32
-oneDNN-packed linear):
+Kernel per scheme, chosen by ``benchmarks/int8_kernels.py`` on a 2-core AVX-512 VNNI
+machine (sums over SmolLM2's projection shapes, speed-up against the float32
+oneDNN-packed linear). The W8A8 library kernels run only where they are exact on this
+CPU (VNNI); elsewhere W8A8 runs our exact ``fivefold::int8_int8_matmul``
+(``fivefold.quant.kernels.w8a8_kernel``). The kernel a module runs shows in its repr
+(``kernel=...``) and in the quantize report.
 
 | scheme, activations | kernel | 1 row | 8 rows | 32 rows |
 |---|---|---|---|---|
@@ -32,12 +35,16 @@ from torch import nn
 from fivefold.kernels import int8_ops
 from fivefold.quant.config import Int8Config
 from fivefold.quant.kernels import (
+    EXACT_FALLBACK,
+    EXACT_KERNEL,
     onednn_prepack,
     per_token_quantize,
+    w8a8_exact,
     w8a8_int_mm,
+    w8a8_kernel,
     w8a8_onednn,
 )
-from fivefold.quant.primitives import activation_qparams, quantize_weight
+from fivefold.quant.primitives import activation_qparams, quantize_activation, quantize_weight
 
 SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 batches
@@ -97,23 +104,40 @@ class Int8Linear(nn.Module):
     def is_clipped(self) -> bool:
         return bool(torch.isfinite(self.input_clip).all())
 
+    @property
+    def activation_mode(self) -> str | None:
+        """"static", "per-token" or "per-tensor" (dynamic) for W8A8; None for W8A16."""
+        if self.scheme == "w8a16":
+            return None
+        return "static" if self.activation == "static" else self.activation_granularity
+
+    @property
+    def kernel(self) -> str:
+        """The kernel this layer runs on this CPU (see :func:`fivefold.quant.kernels.w8a8_kernel`)."""
+        if self.scheme == "w8a16":
+            return "fivefold-w8a16" if int8_ops() is not None else "dequant-tiles"
+        return w8a8_kernel(self.activation_mode)
+
     def _prepare(self) -> dict:
         """Derived once per weight load: packed kernel operands and Python-side constants (reading a
         tensor's value on every call, e.g. ``isfinite(clip).all()``, costs more than the int8 GEMM)."""
         if self._prepared is None:
-            p: dict = {"clip": tuple(self.input_clip.tolist()) if self.is_clipped else None,
-                       "scale": float(self.input_scale), "zp": int(self.input_zero_point) + 128}  # int8 -> u8 codes
-            if self.scheme == "w8a8" and self.activation == "static":
+            kernel = self.kernel
+            p: dict = {"clip": tuple(self.input_clip.tolist()) if self.is_clipped else None, "kernel": kernel,
+                       "scale": float(self.input_scale), "zp": int(self.input_zero_point)}
+            if kernel == "onednn":
                 p["onednn"] = onednn_prepack(self.weight)
                 p["w_zp"] = torch.zeros(self.out_features, dtype=torch.int64)
-            elif self.scheme == "w8a8" and self.activation_granularity == "per-tensor":
+            elif kernel == "fbgemm":
                 with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's linear is not replaced yet
                     warnings.simplefilter("ignore")
                     qw = torch._make_per_channel_quantized_tensor(self.weight, self.weight_scale.double(),
                                                                   torch.zeros(self.out_features, dtype=torch.int64), 0)
                     p["fbgemm"] = torch.ops.quantized.linear_prepack(qw, self.bias)
-            elif self.scheme == "w8a8":
+            elif kernel == "int_mm":
                 p["w_t"] = self.weight.t().contiguous()  # [K, N] for torch._int_mm
+            elif kernel in (EXACT_KERNEL, EXACT_FALLBACK):
+                p["w_sum"] = self.weight.sum(dim=1, dtype=torch.int32)  # folds the activation zero point
             self._prepared = p
         return self._prepared
 
@@ -131,17 +155,29 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def _matmul(self, x: torch.Tensor, p: dict) -> torch.Tensor:
+        kernel = p["kernel"]
         if self.scheme == "w8a16":
             return self._w8a16(x)
-        if self.activation == "static":
-            scale, zp = p["scale"], p["zp"]
+        if kernel == "onednn":  # u8 codes: the int8 grid shifted by 128
+            scale, zp = p["scale"], p["zp"] + 128
             xq = torch.clamp(torch.round(x / scale) + zp, 0, 255).to(torch.uint8)
             return w8a8_onednn(xq, scale, zp, p["onednn"], self.weight_scale, p["w_zp"], self.bias)
-        if self.activation_granularity == "per-tensor":
+        if kernel == "fbgemm":
             return torch.ops.quantized.linear_dynamic(x, p["fbgemm"])
-        xq, xs = per_token_quantize(x)
-        y = w8a8_int_mm(xq, xs, p["w_t"], self.weight_scale)
-        return y + self.bias if self.bias is not None else y
+        if kernel == "int_mm":
+            xq, xs = per_token_quantize(x)
+            y = w8a8_int_mm(xq, xs, p["w_t"], self.weight_scale)
+            return y + self.bias if self.bias is not None else y
+        # Exact kernel: the same grids as the library kernels it stands in for.
+        if self.activation == "static":
+            scale, zp = p["scale"], p["zp"]
+        elif self.activation_granularity == "per-tensor":  # as fbgemm: asymmetric over [min, max] with 0 inside
+            scale, zp = activation_qparams(float(x.min()), float(x.max()), symmetric=False)
+        else:
+            xq, xs = per_token_quantize(x)
+            return w8a8_exact(xq, xs, 0, self.weight, p["w_sum"], self.weight_scale, self.bias)
+        return w8a8_exact(quantize_activation(x, scale, zp), scale, zp, self.weight, p["w_sum"],
+                          self.weight_scale, self.bias)
 
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
         ops = int8_ops() if x.shape[0] <= SMALL_BATCH else None
@@ -156,8 +192,17 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         act = "" if self.scheme == "w8a16" else f", activation={self.activation} {self.activation_granularity}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{act}, "
-                f"bias={self.bias is not None}, clipped={self.is_clipped}")
+                f"bias={self.bias is not None}, clipped={self.is_clipped}, kernel={self.kernel}")
 
+
+
+def kernels_used(model: nn.Module) -> dict[str, int]:
+    """How many :class:`Int8Linear` layers of ``model`` run each kernel on this CPU."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            counts[m.kernel] = counts.get(m.kernel, 0) + 1
+    return counts
 
 
 class _ConvAsLinear:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
 from fivefold.quant.evaluate import (
     language_metrics,
@@ -23,7 +24,7 @@ from fivefold.quant.evaluate import (
     perplexity,
     text_windows,
 )
-from fivefold.quant.linear import Int8Linear
+from fivefold.quant.linear import Int8Linear, kernels_used
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
     quantized = evaluate(reloaded, eval_windows, job)
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
-              "num_int8_modules": len(modules), "kept_float": kept, "quantize_s": quantize_s,
+              "num_int8_modules": len(modules), "kernels": kernels_used(reloaded.model),
+              "platform": current_platform().describe(), "kept_float": kept, "quantize_s": quantize_s,
               "float": baseline, "int8": quantized,
               "perplexity_increase": quantized["perplexity"] / baseline["perplexity"] - 1,
               **{f"speedup_batch{b}": quantized[f"decode_tok_s_batch{b}"] / baseline[f"decode_tok_s_batch{b}"]
@@ -172,4 +174,6 @@ def render(report: dict, scan, console) -> None:
             b = key.removeprefix("decode_tok_s_batch")
             t.add_row(f"decode tok/s, batch {b}", f"{f[key]:.1f}", f"{q[key]:.1f}", f"{q[key] / f[key]:.2f}x")
     console.print(t)
+    kernels = ", ".join(f"{k} ({n} layers)" for k, n in report["kernels"].items())
+    console.print(f"int8 kernels on this CPU ({report['platform']['isa_level']}): {kernels}")
     console.print(f"written to {report['out']} (model.safetensors, config.json, report.json)")

@@ -101,3 +101,25 @@ def test_smoothquant_keeps_float_outputs_and_evens_out_activation_outliers(tmp_p
         torch.testing.assert_close(sequence_logits(model, ids), before, rtol=1e-4, atol=1e-4)
         spread = [float(m.max() / m.median()) for m in x_max.values()]
         assert spread[-1] < spread[0] / 4  # the outlier channel no longer dominates the input's range
+
+
+def test_prepare_qat_refuses_what_it_cannot_simulate_and_w8a16_qat_matches_its_int8_model():
+    import pytest
+
+    from fivefold.errors import FivefoldError
+
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))  # noqa: E731
+    for config in (Int8Config("w8a8"), Int8Config("w8a8", activation_granularity="per-tensor")):
+        with pytest.raises(FivefoldError, match="QAT simulates W8A8 with static activations or W8A16"):
+            prepare_qat(make(), config)
+    qat = prepare_qat(make(), Int8Config("w8a16"))
+    x = torch.randn(16, 32) * 3
+    qat.train()
+    qat(x)
+    qat.eval()
+    with torch.no_grad():
+        fake = qat(x)
+        convert(qat)
+        assert isinstance(qat[0], Int8Linear) and not qat[0].is_clipped  # weights only: inputs stay float
+        torch.testing.assert_close(qat(x), fake, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,76 @@
+"""Every W8A8 kernel that runs on this CPU computes exact integer sums, including the operands
+that make the u8 x s8 kernels of oneDNN and fbgemm saturate on CPUs without VNNI."""
+
+import pytest
+import torch
+from torch import nn
+
+from fivefold.platform import current_platform
+from fivefold.quant.config import Int8Config
+from fivefold.quant.kernels import (
+    EXACT_KERNEL,
+    LIBRARY_KERNELS,
+    int8_matmul_exact,
+    is_library_kernel_exact,
+    per_token_quantize,
+    w8a8_kernel,
+)
+from fivefold.quant.linear import Int8Linear
+from fivefold.quant.primitives import activation_qparams, quantize_activation, sqnr_db
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (3, 100, 17), (4, 16, 3), (5, 1536, 577), (17, 33, 8),
+                                   (64, 576, 130)])
+def test_int8_matmul_exact_equals_int64_arithmetic(m, k, n):
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    x[0], w[0] = -128, -127  # the largest products, all of one sign: int16 pair sums would saturate
+    assert torch.equal(int8_matmul_exact(x, w).long(), x.long() @ w.long().t())
+
+
+def test_library_kernels_run_only_where_they_are_exact():
+    for mode, library in LIBRARY_KERNELS.items():
+        kernel = w8a8_kernel(mode)
+        if not current_platform().has_vnni:
+            assert kernel == EXACT_KERNEL  # no VNNI: oneDNN and fbgemm sum products in int16 and saturate
+        else:
+            assert kernel in (library, EXACT_KERNEL)
+        if kernel == library:
+            assert is_library_kernel_exact(library)
+
+
+def _saturating_linear(bias: bool) -> nn.Linear:
+    """Weights of one sign per output row at their row maximum: every int8 code is +-127."""
+    lin = nn.Linear(256, 48, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.sign(torch.randn(48, 1)).expand(48, 256) * (torch.rand(48, 1) + 0.5))
+    return lin
+
+
+@pytest.mark.parametrize("mode", ["per-token", "per-tensor", "static"])
+def test_every_w8a8_mode_is_exact_integer_arithmetic_on_saturating_operands(mode):
+    torch.manual_seed(0)
+    lin = _saturating_linear(bias=True)
+    x = torch.rand(6, 256) * 4 + 1  # all positive and large: the top of the activation range
+    x[1] = -x[1]
+    lo, hi = float(x.min()), float(x.max())
+    config = {"per-token": Int8Config("w8a8"), "per-tensor": Int8Config("w8a8", activation_granularity="per-tensor"),
+              "static": Int8Config("w8a8", activation="static", activation_symmetric=False)}[mode]
+    q = Int8Linear.from_float(lin, config, clip_range=(lo, hi))
+    assert f"kernel={q.kernel}" in repr(q) and q.kernel == w8a8_kernel(mode)
+    wq = q.weight.double()
+    if mode == "per-token":
+        xq, xs = per_token_quantize(x)
+        expected = (xq.double() @ wq.t()) * xs.double()
+    else:
+        scale, zp = activation_qparams(lo, hi, symmetric=False)
+        expected = ((quantize_activation(x, scale, zp).double() - zp) @ wq.t()) * scale
+    expected = expected * q.weight_scale.double() + q.bias.double()
+    with torch.no_grad():
+        got = q(x).double()
+    if q.kernel == "fbgemm":  # fbgemm picks its own (equivalent) grid from the batch's min and max
+        assert sqnr_db(expected, got) >= 40.0
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-3)
+    assert sqnr_db(lin(x).detach(), got) >= 30.0
