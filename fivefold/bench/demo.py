@@ -24,7 +24,7 @@ from fivefold.bench.offline_bench import (
     run_offline,
     token_agreement,
 )
-from fivefold.bench.registry import RunRegistry, model_fingerprint
+from fivefold.bench.registry import RunRegistry, machine_description, model_fingerprint
 from fivefold.quant.config import Int8Config
 
 
@@ -232,6 +232,11 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.rule(f"fivefold demo ({'quick' if quick else 'full'}) on {model}")
+    machine = machine_description()
+    cpu = machine["cpu"]
+    console.print(f"machine: {cpu['cpu']}, {cpu['isa_level']}{' (forced by ' + cpu['forced'] + ')' if cpu['forced'] else ''}, "
+                  f"VNNI {'yes' if cpu['vnni'] else 'no'}, bf16 {'yes' if cpu['bf16_compute'] else 'no'}, "
+                  f"{machine['threads']} threads (fivefold env for the kernel of each path)")
     loaded = load_model(model, "float32")
     registry = RunRegistry(registry_path) if registry_path else None
     runner = _Runner(loaded, model_fingerprint(model), registry, console)
@@ -309,7 +314,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     console.print(f"plot: {plot}; runs stored in {registry_path or '(not stored)'}; "
                   f"Chrome traces in {out_dir}/demo-trace-*.json")
     summary = {
-        "model": model, "mode": "quick" if quick else "full",
+        "model": model, "mode": "quick" if quick else "full", "machine": machine,
         "verdicts": {m: [{"lever": v.lever, "finding": v.finding, "stake": v.stake} for v in p.verdicts]
                      for m, p in profiles.items()},
         "rows": [{"lever": r.lever, "change": r.change, "metric": r.metric, "before": r.before, "after": r.after,

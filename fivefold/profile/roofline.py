@@ -110,11 +110,17 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> flo
 
 
 def measure_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, repeats: int = 5) -> float:
-    """FLOP/s of a square GEMM in ``dtype`` (int8 runs torch._int_mm, int32 accumulation)."""
+    """FLOP/s of a square GEMM in ``dtype`` (int8: the kernel W8A8 per-token runs on this CPU, int32
+    accumulation: ``torch._int_mm`` where it is exact, our exact kernel elsewhere)."""
     if dtype == torch.int8:
+        from fivefold.quant.kernels import int8_matmul_exact, w8a8_kernel
+
         a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
         b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-        fn = lambda: torch._int_mm(a, b)  # noqa: E731
+        if w8a8_kernel("per-token") == "int_mm":
+            fn = lambda: torch._int_mm(a, b)  # noqa: E731
+        else:
+            fn = lambda: int8_matmul_exact(a, b)  # noqa: E731
     else:
         a = torch.randn(size, size, dtype=dtype)
         b = torch.randn(size, size, dtype=dtype)
@@ -123,7 +129,11 @@ def measure_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, rep
 
 
 def machine_key() -> str:
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    """Peaks are cached per host, instruction set in force (forcing AVX2 changes them), torch and threads."""
+    from fivefold.platform import current_platform
+
+    return (f"{platform.node()}|{current_platform().build_key}|{os.cpu_count()}|torch {torch.__version__}|"
+            f"{torch.get_num_threads()} threads")
 
 
 def measure_peaks(cache_path: str | Path | None = None, refresh: bool = False,
