@@ -172,7 +172,8 @@ class Int8Linear(nn.Module):
         if self.activation == "static":
             scale, zp = p["scale"], p["zp"]
         elif self.activation_granularity == "per-tensor":  # as fbgemm: asymmetric over [min, max] with 0 inside
-            scale, zp = activation_qparams(float(x.min()), float(x.max()), symmetric=False)
+            lo, hi = (float(v) for v in torch.aminmax(x)) if x.numel() else (0.0, 0.0)
+            scale, zp = activation_qparams(lo, hi, symmetric=False)
         else:
             xq, xs = per_token_quantize(x)
             return w8a8_exact(xq, xs, 0, self.weight, p["w_sum"], self.weight_scale, self.bias)
@@ -193,7 +194,6 @@ class Int8Linear(nn.Module):
         act = "" if self.scheme == "w8a16" else f", activation={self.activation} {self.activation_granularity}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{act}, "
                 f"bias={self.bias is not None}, clipped={self.is_clipped}, kernel={self.kernel}")
-
 
 
 def kernels_used(model: nn.Module) -> dict[str, int]:

@@ -70,6 +70,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status)
 
 
+def replica_unavailable_response(exc: ReplicaUnavailableError) -> JSONResponse:
+    return error_response(503, str(exc), code="replica_unavailable", error_type="server_error")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -147,7 +151,7 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
         if isinstance(exc, QueueTimeoutError):
             return error_response(503, str(exc), code="queue_timeout", error_type="server_error")
         if isinstance(exc, ReplicaUnavailableError):
-            return error_response(503, str(exc), code="replica_unavailable", error_type="server_error")
+            return replica_unavailable_response(exc)
         return error_response(400, str(exc))
 
     @app.get("/health")

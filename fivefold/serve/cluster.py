@@ -399,7 +399,7 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
     endpoints forwarded to the replica the router picks (``X-Fivefold-Replica`` says which)."""
     from fastapi.responses import Response, StreamingResponse
 
-    from fivefold.serve.app import await_unless_disconnected, build_base_app
+    from fivefold.serve.app import await_unless_disconnected, build_base_app, replica_unavailable_response
 
     @asynccontextmanager
     async def lifespan(_):
@@ -419,8 +419,17 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
         stream = replicas.stream(replica_id, request.method, path, headers, body)
+
+        def unavailable(exc: ReplicaUnavailableError):  # the replica died before its reply was whole
+            response = replica_unavailable_response(exc)
+            response.headers["X-Fivefold-Replica"] = replica_id  # errors name their replica too
+            return response
+
         try:
             ((status, reply_headers),) = await await_unless_disconnected(request, [asyncio.ensure_future(anext(stream))])
+        except ReplicaUnavailableError as exc:
+            await stream.aclose()
+            return unavailable(exc)
         except BaseException:
             await stream.aclose()
             raise
@@ -435,6 +444,8 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
 
         try:
             (content,) = await await_unless_disconnected(request, [asyncio.ensure_future(read_all())])
+        except ReplicaUnavailableError as exc:
+            return unavailable(exc)
         finally:
             await stream.aclose()
         return Response(content, status_code=status, headers=reply_headers, media_type=media_type)

@@ -67,9 +67,9 @@ async def _long_requests(url: str, model: str, num: int, max_tokens: int):
             async with client.stream("POST", url + "/v1/completions", json=body) as reply:
                 replica = reply.headers["x-fivefold-replica"]
                 async for line in reply.aiter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line[6:])
-            return replica, lines
+                    if line.startswith("data: ") or (reply.status_code != 200 and line.strip()):
+                        lines.append(line.removeprefix("data: "))
+            return replica, reply.status_code, lines
 
         return await asyncio.gather(*(one(i) for i in range(num)), stream(), stream())
 
@@ -109,11 +109,15 @@ def test_killed_replica_fails_only_its_in_flight_requests(round_robin_redis, mod
     for r in failed:
         error = r.json()["error"]
         assert error["code"] == "replica_unavailable" and "replica-0" in error["message"]
+        assert r.headers["x-fivefold-replica"] == "replica-0"  # every response names its replica, errors too
     for r in served:
         assert r.headers["x-fivefold-replica"] == "replica-1" and r.json()["usage"]["completion_tokens"] == 3000
     streams_on_0 = 0
-    for replica, lines in (stream_a, stream_b):
-        if replica == "replica-0":  # the stream had started: it ends with the 503 as an error event
+    for replica, status, lines in (stream_a, stream_b):
+        if replica == "replica-0" and status == 503:  # died before the stream started: a plain 503 naming it
+            streams_on_0 += 1
+            assert json.loads(lines[-1])["error"]["code"] == "replica_unavailable"
+        elif replica == "replica-0":  # the stream had started: it ends with the 503 as an error event
             streams_on_0 += 1
             assert json.loads(lines[-1])["error"]["code"] == 503
         else:
