@@ -63,6 +63,13 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     scan = json.loads((tmp_path / "q" / "sensitivity.json").read_text())
     assert len(scan["layers"]) == 2 * 2 + 2 * 2 + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert report["num_int8_modules"] + len(report["kept_float"]) == len(scan["layers"])
+    # The kernel that ran (the subprocess inherits any AVX2 forcing) and the machine it ran on.
+    from fivefold.platform import current_platform
+    from fivefold.quant.kernels import w8a8_kernel
+
+    assert report["kernels"] == {w8a8_kernel("static"): report["num_int8_modules"]}
+    assert report["platform"]["isa_level"] == current_platform().isa_level
+    assert "int8 kernels on this CPU" in proc.stdout
     gen = cli("generate", "--model", "q", "--prompt", "w5 w6 w7", "--max-tokens", "4")
     assert gen.returncode == 0, gen.stderr[-2000:]
     bad = cli("quantize", "--model", tiny, "--scheme", "w4a4", "--out", "x")
