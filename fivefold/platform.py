@@ -116,6 +116,12 @@ class Platform:
         return self.has_avx512 or self.has("avx_ne_convert")
 
     @property
+    def can_run_fp16(self) -> bool:
+        """Whether oneDNN runs float16 GEMMs here (PyTorch requires AVX512-FP16 or AVX-NE-CONVERT on x86).
+        Informational: Fivefold serves float32 and bfloat16."""
+        return self.is_x86 and (self.has("avx512_fp16") or self.has("avx_ne_convert"))
+
+    @property
     def isa_level(self) -> str:
         """One word for the vector ISA the kernels run: amx, avx512-vnni, avx512, avx2-vnni, avx2, neon, ..."""
         if not self.is_x86:
@@ -148,7 +154,7 @@ class Platform:
         """The machine as recorded with every benchmark and registry run."""
         return {"arch": self.arch, "cpu": self.cpu_name, "isa_level": self.isa_level,
                 "vnni": self.has_vnni, "avx512": self.has_avx512, "bf16_compute": self.has_bf16_compute,
-                "onednn_bf16_pack": self.can_pack_bf16, "forced": self.forced, "cores": self.num_cores,
+                "onednn_bf16_pack": self.can_pack_bf16, "onednn_fp16": self.can_run_fp16, "forced": self.forced, "cores": self.num_cores,
                 "threads": self.num_threads,
                 "flags": sorted(self.isa_flags & set(_RELEVANT))}
 

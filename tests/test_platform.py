@@ -27,6 +27,7 @@ def test_capabilities_follow_the_flags():
     assert not zen3.has_vnni and zen4.has_vnni and spr.has_vnni
     assert not zen3.can_pack_bf16 and zen4.can_pack_bf16
     assert not zen3.has_bf16_compute and zen4.has_bf16_compute
+    assert spr.can_run_fp16 and not zen4.can_run_fp16 and not zen3.can_run_fp16
     assert _platform(ZEN3 | {"avx_ne_convert"}).can_pack_bf16  # PyTorch's other condition for oneDNN bf16
     assert _platform(ZEN3 | {"avx_vnni"}).has_vnni and _platform(ZEN3 | {"avx_vnni"}).isa_level == "avx2-vnni"
     arm = Platform("aarch64", "neoverse", frozenset({"asimd", "bf16"}), None, 2)
