@@ -182,3 +182,11 @@ class KVCacheManager:
             assert counts == self.ref_counts, "ref counts disagree with the block tables"
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
+            # Every block counted as evictable can be evicted now: eviction removes leaves only, so an
+            # unreferenced node must not sit above a referenced one (then it would be counted as
+            # available, and allocation would promise a block that eviction cannot free).
+            for block_id, node in self.prefix_cache.nodes_by_block.items():
+                parent = node.parent
+                if self.ref_counts[block_id] > 0 and parent is not self.prefix_cache.root:
+                    assert self.ref_counts[parent.block_id] > 0, (
+                        f"cached block {parent.block_id} is counted as evictable but its child {block_id} is in use")

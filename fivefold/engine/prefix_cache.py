@@ -10,7 +10,10 @@ Contract (as in SGLang's ``BasePrefixCache``):
 - ``match_prefix(tokens)`` returns the cached block ids of the longest matched
   full-block prefix and marks them as recently used; it changes no ref counts.
 - ``insert(tokens, block_ids)`` publishes fully computed blocks; a prefix already
-  present keeps its existing block (the caller's copy stays private).
+  present keeps its existing block (the caller's copy stays private, and so do the
+  caller's blocks after it). So whoever references a node references its parent: an
+  unreferenced node has no referenced descendant, and every unreferenced cached block
+  can be evicted (the KV cache manager checks this in ``check_integrity``).
 - ``evict(n, is_evictable)`` removes up to ``n`` least-recently-used leaves whose
   blocks nobody references and returns their block ids. Only leaves are evicted, so
   every cached node's whole prefix stays cached.
@@ -87,6 +90,12 @@ class RadixPrefixCache:
         node, num_new = self.root, 0
         for key, block_id in zip(self._blocks(tokens), block_ids):
             child = node.children.get(key)
+            if child is not None and child.block_id != block_id:
+                # Another sequence published this prefix first; the caller's copy stays private, and so
+                # does everything after it: linking the caller's blocks below a node it does not hold
+                # would let that node lose its last reference while a child is in use, and eviction
+                # (leaves only) could not free what the pool counts as available.
+                break
             if child is None:
                 if block_id in self.nodes_by_block:
                     break  # this block already caches another prefix; nothing below can be linked

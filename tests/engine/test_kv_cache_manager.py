@@ -119,15 +119,17 @@ def test_lookahead_reserves_blocks():
     kv.check_integrity([a])
 
 
-def test_radix_tree_insert_keeps_existing_block_and_links_below_it():
+def test_radix_tree_insert_keeps_existing_block_and_links_nothing_below_it():
     tree = RadixPrefixCache(block_size=2)
     assert tree.insert([1, 2, 3, 4], [10, 11]) == 2
-    # Same first block computed elsewhere (block 20): the tree keeps 10 and hangs 21 under it.
-    assert tree.insert([1, 2, 5, 6], [20, 21]) == 1
-    assert tree.match_prefix([1, 2, 5, 6, 7]) == [10, 21]
-    assert not tree.contains_block(20)
+    # Same first block computed elsewhere (block 20): the tree keeps 10, and 21 is not hung under it
+    # (its sequence does not hold 10, which could then lose its last reference while 21 is in use).
+    assert tree.insert([1, 2, 5, 6], [20, 21]) == 0
+    assert tree.match_prefix([1, 2, 5, 6, 7]) == [10]
+    assert not tree.contains_block(20) and not tree.contains_block(21)
     tree.check_integrity()
-    # 11 is referenced, so it stays, and so does its parent 10 (not a leaf): only 21 goes.
-    assert tree.evict(10, lambda b: b != 11) == [21]
+    # 11 is referenced, so it stays, and so does its parent 10 (not a leaf).
+    assert tree.evict(10, lambda b: b != 11) == []
     assert tree.match_prefix([1, 2, 3, 4]) == [10, 11]
+    assert tree.evict(10, lambda b: True) == [11, 10]
     tree.check_integrity()
