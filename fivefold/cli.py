@@ -364,11 +364,24 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-def _run_uvicorn(app, args) -> None:
+def _run_uvicorn(app, args, worker=None) -> int:
+    """Serve until SIGINT/SIGTERM; return the exit status. ``worker`` (the AsyncEngine or the
+    DynamicBatcher) failing is fatal: its requests have their 500s already, so the server
+    shuts down gracefully and the command exits 1, for a supervisor to restart it."""
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_grace)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_grace))
+    failed = []
+    if worker is not None:
+        def on_fatal(exc: BaseException) -> None:
+            failed.append(exc)
+            print(f"fivefold: {type(exc).__name__} in the engine thread; shutting down (exit 1)", file=sys.stderr)
+            server.should_exit = True
+
+        worker.on_fatal = on_fatal
+    server.run()
+    return 1 if failed else 0
 
 
 def _serve_encoder(args, path) -> int:
@@ -391,10 +404,9 @@ def _serve_encoder(args, path) -> int:
     app, batcher, _ = create_embeddings_server(path, config, name, args.api_key, args.max_body_bytes, log)
     print(f"fivefold: serving {args.model} (embeddings) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        _run_uvicorn(app, args)
+        return _run_uvicorn(app, args, batcher)
     finally:
         batcher.shutdown()
-    return 0
 
 
 def _server_spec(args):
@@ -454,10 +466,9 @@ def cmd_serve(args) -> int:
     engine, app = create_llm_server(spec, api_key=args.api_key)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        _run_uvicorn(app, args)
+        return _run_uvicorn(app, args, engine)
     finally:
         engine.shutdown()  # aborts whatever outlived the grace period
-    return 0
 
 
 def cmd_runs(args) -> int:

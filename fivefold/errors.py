@@ -29,3 +29,14 @@ class QueueTimeoutError(FivefoldError):
 
 class ReplicaUnavailableError(FivefoldError):
     """The engine replica serving a request died or cannot be reached (HTTP 503)."""
+
+
+class EngineDeadError(FivefoldError):
+    """The engine (or batcher) thread failed: every request in flight gets this (HTTP 500,
+    ``type: internal_error``), the server reports unhealthy and exits non-zero."""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "EngineDeadError":
+        """The one-line error naming what failed."""
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        return cls(f"the engine failed: {type(exc).__name__}" + (f": {first_line}" if first_line else ""))

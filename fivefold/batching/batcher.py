@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -35,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from fivefold.batching.config import BatcherConfig
-from fivefold.errors import InvalidRequestError, OverloadedError, QueueTimeoutError
+from fivefold.errors import EngineDeadError, InvalidRequestError, OverloadedError, QueueTimeoutError
+
+log = logging.getLogger("fivefold.batcher")
 
 
 _arrival_order = itertools.count()
@@ -73,7 +76,8 @@ class DynamicBatcher:
 
     def __init__(self, run_batch: Callable[[list], Sequence], config: BatcherConfig, delay: float | None = None,
                  on_batch: Callable[[BatchRecord], None] | None = None,
-                 on_reject: Callable[[str], None] | None = None) -> None:
+                 on_reject: Callable[[str], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         if delay is None:
             if config.max_queue_delay == "auto":
                 raise ValueError("max_queue_delay is 'auto': measure it and pass delay=")
@@ -81,6 +85,9 @@ class DynamicBatcher:
         self.config, self.delay = config, delay
         self._run_batch = run_batch
         self._on_batch, self._on_reject = on_batch, on_reject
+        self.on_fatal = on_fatal
+        self.fatal_error: EngineDeadError | None = None
+        self._current: list[_Request] = []  # the batch the worker has taken off the queues
         self._boundaries = list(config.length_buckets or ())
         self._buckets = [deque() for _ in range(len(self._boundaries) + 1)]
         self._num_queued = 0
@@ -99,6 +106,11 @@ class DynamicBatcher:
     def num_queued(self) -> int:
         return self._num_queued
 
+    @property
+    def is_running(self) -> bool:
+        """False after shutdown or after the worker failed (``/health`` then answers 503)."""
+        return self._thread.is_alive() and not self._stopped and self.fatal_error is None
+
     def submit(self, payload: Any, length: int, timeout: float | None = None) -> Future:
         """Queue one request of ``length`` tokens; its future resolves to its result."""
         return self.submit_many([(payload, length)], timeout)[0]
@@ -114,6 +126,8 @@ class DynamicBatcher:
         now = time.monotonic()
         requests = [_Request(p, n, now, None if timeout is None else now + timeout) for p, n in items]
         with self._cond:
+            if self.fatal_error is not None:
+                raise self.fatal_error
             if self._stopped:
                 raise OverloadedError("the batcher is shut down")
             limit = self.config.max_queued_requests
@@ -226,15 +240,36 @@ class DynamicBatcher:
                 self._cond.wait(max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                batch = self._next_batch()
-                while batch is None and not self._stopped:
-                    self._cond.wait(self._wait_time())
+        try:
+            while True:
+                with self._cond:
                     batch = self._next_batch()
-                if self._stopped:
-                    return
-            self._execute(batch)
+                    while batch is None and not self._stopped:
+                        self._cond.wait(self._wait_time())
+                        batch = self._next_batch()
+                    if self._stopped:
+                        return
+                    self._current = batch
+                self._execute(batch)
+                self._current = []
+        except BaseException as exc:  # a bug outside the model call: fail every request, never hang one
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail the batch in hand and everything queued with EngineDeadError (500), refuse new
+        requests the same way, then call ``on_fatal`` (the server exits non-zero)."""
+        log.error("the batcher thread failed; failing every queued request", exc_info=exc)
+        with self._cond:
+            self.fatal_error = EngineDeadError.from_exception(exc)
+            pending = self._current + [r for bucket in self._buckets for r in bucket]
+            for bucket in self._buckets:
+                bucket.clear()
+            self._num_queued = 0
+        for r in pending:
+            if not r.future.done() and (r.future.running() or r.future.set_running_or_notify_cancel()):
+                r.future.set_exception(self.fatal_error)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _execute(self, batch: list[_Request]) -> None:
         started = time.monotonic()

@@ -23,7 +23,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fivefold.cache.result_cache import ResultCache, is_cacheable
-from fivefold.errors import FivefoldError, OverloadedError, QueueTimeoutError, ReplicaUnavailableError
+from fivefold.errors import (
+    EngineDeadError,
+    FivefoldError,
+    OverloadedError,
+    QueueTimeoutError,
+    ReplicaUnavailableError,
+)
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -152,12 +158,15 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
             return error_response(503, str(exc), code="queue_timeout", error_type="server_error")
         if isinstance(exc, ReplicaUnavailableError):
             return replica_unavailable_response(exc)
+        if isinstance(exc, EngineDeadError):
+            return error_response(500, str(exc), code=500, error_type="internal_error")
         return error_response(400, str(exc))
 
     @app.get("/health")
     async def health():
         if is_healthy is not None and not is_healthy():
-            return error_response(503, "no healthy replica", code="unhealthy", error_type="server_error")
+            return error_response(503, "the server is not healthy: no engine or replica is running", code="unhealthy",
+                                  error_type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -202,7 +211,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
     bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
     app = build_base_app(model_name, registry_text(None if engine.metrics is None else engine.metrics.registry),
-                         api_key, max_body_bytes)
+                         api_key, max_body_bytes, is_healthy=lambda: engine.is_running)
     tokenizer = engine.tokenizer
     fingerprint = model_fingerprint(engine)
 
@@ -294,7 +303,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if out is None:
                     remaining -= 1
                 elif isinstance(out, Exception):
-                    yield f"data: {json.dumps({'error': {'message': str(out), 'type': 'server_error'}})}\n\n"
+                    error_type = "internal_error" if isinstance(out, EngineDeadError) else "server_error"
+                    yield f"data: {json.dumps({'error': {'message': str(out), 'type': error_type}})}\n\n"
                 else:
                     if out.finished:
                         finals[i] = out

@@ -4,28 +4,43 @@ coroutines submit requests and read their outputs from asyncio queues.
 Only the engine thread touches the LLMEngine (one owner per resource). Requests and
 aborts reach it through a thread-safe inbox; outputs go back to each request's event
 loop with ``call_soon_threadsafe``.
+
+Failure: any exception in the engine thread, inside ``step()`` or outside it (inbox,
+aborts, queue bookkeeping, delivery, metrics), is fatal. The thread logs the traceback
+once, fails every request in flight or on its way with :class:`EngineDeadError` (HTTP 500,
+``type: internal_error``), refuses new requests the same way, reports not running
+(``/health`` 503) and calls ``on_fatal`` (``fivefold serve`` then shuts the server down
+and exits with status 1, for a supervisor to restart; a replica is restarted by Ray
+Serve's health check). The engine's state after an unexpected exception is not trusted,
+so it is never stepped again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.outputs import RequestOutput
-from fivefold.errors import OverloadedError, QueueTimeoutError
+from fivefold.errors import EngineDeadError, OverloadedError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.metrics import ServerMetrics
+
+log = logging.getLogger("fivefold.engine")
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
-                 queue_timeout: float | None = None) -> None:
+                 queue_timeout: float | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: EngineDeadError | None = None
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
@@ -51,7 +66,7 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """Whether the engine thread is alive (false after shutdown or a crash)."""
-        return self._thread.is_alive() and not self._stopped.is_set()
+        return self._thread.is_alive() and not self._stopped.is_set() and self.fatal_error is None
 
     @property
     def num_queued_requests(self) -> int:
@@ -104,6 +119,8 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         try:
+            if self.fatal_error is not None:  # set before the failing thread delivers: nobody is missed
+                raise self.fatal_error
             while True:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
@@ -127,6 +144,8 @@ class AsyncEngine:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self.fatal_error is not None:
+            return  # the failed thread delivered its errors; the engine's state is not trusted
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
             self._deliver(request_id, QueueTimeoutError("the server is shutting down"))
@@ -159,22 +178,32 @@ class AsyncEngine:
                     self._queued[request_id][2] = True
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox()
-            if self._queued:
-                self._update_queue()
-            if not self.engine.has_unfinished:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox()
+                if self._queued:
+                    self._update_queue()
+                if not self.engine.has_unfinished:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 outputs = self.engine.step()
-            except Exception as exc:  # a bug: fail every request in flight rather than hang them
-                for request_id in list(self.engine.requests):
-                    self._deliver(request_id, exc)
-                    self.engine.abort(request_id)
-                continue
-            if self.metrics is not None:
-                self.metrics.observe_step(self.engine, outputs)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+                if self.metrics is not None:
+                    self.metrics.observe_step(self.engine, outputs)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # a bug anywhere in the loop: fail loudly, never hang a request
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        log.error("the engine thread failed; failing every request in flight", exc_info=exc)
+        self.fatal_error = EngineDeadError.from_exception(exc)
+        for request_id in list(self._streams):
+            try:
+                self._deliver(request_id, self.fatal_error)
+            except RuntimeError:  # that request's event loop is closed: nobody waits on it
+                pass
+        with self._queue_lock:
+            self._queued.clear()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)

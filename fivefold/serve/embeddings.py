@@ -39,7 +39,8 @@ MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
 
 def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
                          api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = build_base_app(model_name, registry_text(metrics_registry), api_key, max_body_bytes)
+    app = build_base_app(model_name, registry_text(metrics_registry), api_key, max_body_bytes,
+                         is_healthy=lambda: batcher.is_running)
 
     def token_lists(req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input
