@@ -9,6 +9,14 @@ from fivefold.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` wrapped into the int64 range (choice i of a request is seeded with seed + i)."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -59,6 +67,8 @@ class SamplingParams:
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (len(self.stop) <= 16 and all(self.stop), "stop must be at most 16 non-empty strings"),
             (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

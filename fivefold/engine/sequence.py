@@ -72,7 +72,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)  # torch takes uint64
 
     def prompt_block_hashes(self, block_size: int) -> list[int]:
         """Prefix hashes of the prompt's full blocks (computed once)."""

@@ -56,7 +56,14 @@ class Tokenizer:
         """Token ids of a conversation rendered with the model's chat template."""
         if not self.has_chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; use a plain prompt instead")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        from jinja2 import TemplateError
+
+        from fivefold.errors import InvalidRequestError
+
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as exc:  # e.g. raise_exception() for roles that do not alternate
+            raise InvalidRequestError(f"the chat template refused the messages: {exc}") from None
         # The template writes the special tokens itself (BOS included), so add none.
         return self.encode(text, add_special_tokens=False)
 

@@ -30,7 +30,7 @@ from fivefold.errors import (
     QueueTimeoutError,
     ReplicaUnavailableError,
 )
-from fivefold.sampling_params import SamplingParams
+from fivefold.sampling_params import SamplingParams, wrap_seed
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -74,6 +74,32 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                    error_type: str = "invalid_request_error") -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code or status}}
     return JSONResponse(body, status_code=status)
+
+
+async def _read_limited(receive, limit: int):
+    """(body, a receive that replays it) when the body is at most ``limit`` bytes; (None, receive)
+    as soon as it is over (the rest is not read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: let the app see it
+            chunks.append(b"")
+            pending = [message]
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None, receive
+        if not message.get("more_body", False):
+            pending = []
+            break
+    body = b"".join(chunks)
+    replay = [{"type": "http.request", "body": body, "more_body": False}, *pending]
+
+    async def replayed():
+        return replay.pop(0) if replay else await receive()
+
+    return body, replayed
 
 
 def replica_unavailable_response(exc: ReplicaUnavailableError) -> JSONResponse:
@@ -130,6 +156,12 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
                         headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
                     refusal = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
                                              error_type="authentication_error")
+                if refusal is None and not length.isdigit() and scope.get("method") in ("POST", "PUT", "PATCH"):
+                    # No Content-Length (chunked transfer): read the body here, up to the limit, and
+                    # replay it to the app, so the limit holds whatever the transfer encoding.
+                    body, receive = await _read_limited(receive, max_body_bytes)
+                    if body is None:
+                        refusal = error_response(413, f"request body is over the limit of {max_body_bytes} bytes")
                 if refusal is not None:
                     return await refusal(scope, receive, send)
             await self.inner(scope, receive, send)
@@ -224,7 +256,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         )
 
     def per_choice(params: SamplingParams, index: int) -> SamplingParams:
-        seed = None if params.seed is None else params.seed + index
+        seed = None if params.seed is None else wrap_seed(params.seed + index)
         return replace(params, n=1, seed=seed)
 
     async def run_choices(request: Request, prompt_ids: list[int], params: SamplingParams, base_id: str):
