@@ -40,7 +40,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Mask (set to -inf) tokens outside each row's top-k, nucleus top-p and min-p."""
+    """Mask (set to -inf) tokens outside each row's top-k, then nucleus top-p, then min-p, each on
+    what the one before kept (vLLM's and transformers' order: top-p's mass is that of the top-k)."""
     top_k = [s.params.top_k for s in seqs]
     top_p = [s.params.top_p for s in seqs]
     min_p = [s.params.min_p for s in seqs]
@@ -50,7 +51,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch
         ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
         ranks = torch.arange(vocab).unsqueeze(0)
         remove = ranks >= ks.unsqueeze(1)
-        probs = sorted_logits.softmax(dim=-1)
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)  # renormalised over the top-k
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
         mass_before = probs.cumsum(dim=-1) - probs
         remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)

@@ -92,3 +92,22 @@ def test_out_of_range_parameters(kw, message):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kw)
     assert message in str(err.value)
+
+
+def test_top_k_then_top_p_then_min_p_match_transformers_warpers():
+    """Top-p's mass is taken over the top-k survivors (renormalised), as vLLM and transformers do."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from fivefold.engine.sampler import apply_top_k_top_p_min_p
+    from fivefold.engine.sequence import Sequence
+    from fivefold.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    for k, p, min_p in [(5, 0.5, 0.0), (20, 0.9, 0.0), (3, 0.6, 0.0), (50, 0.3, 0.05), (0, 0.7, 0.0), (10, 1.0, 0.2)]:
+        logits = torch.randn(4, 64, generator=g) * 3
+        seqs = [Sequence(f"s{i}", [1], SamplingParams(top_k=k, top_p=p, min_p=min_p)) for i in range(4)]
+        ours = apply_top_k_top_p_min_p(logits.clone(), seqs)
+        warpers = ([TopKLogitsWarper(k)] if k else []) + [TopPLogitsWarper(p)] + \
+            ([MinPLogitsWarper(min_p)] if min_p else [])
+        ref = LogitsProcessorList(warpers)(None, logits.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (k, p, min_p)
