@@ -103,6 +103,7 @@ def test_a_fault_anywhere_in_the_engine_thread_fails_every_request_within_the_bo
     for rid in ("r1", "r2"):  # r0 may have been aborted before the abort raised
         assert isinstance(results[rid], EngineDeadError), results
         assert str(results[rid]) == "the engine failed: RuntimeError: injected fault"
+    engine._thread.join(BOUND_S)  # on_fatal runs after the errors are delivered, still in the engine thread
     assert len(fatal) == 1 and not engine.is_running
 
     async def after():  # refused at once, never queued behind a dead thread
@@ -187,6 +188,7 @@ def test_a_fault_in_the_batcher_loop_fails_every_queued_request(place):
     # The batch in hand finished (or failed) and every other request failed; none is left waiting.
     assert all(f.done() for f in futures)
     assert "the engine failed: RuntimeError: injected fault" in outcomes
+    batcher._thread.join(BOUND_S)  # on_fatal runs after the futures fail, still in the worker thread
     assert len(fatal) == 1 and not batcher.is_running
     with pytest.raises(EngineDeadError):
         batcher.submit(1, 4)
