@@ -5,6 +5,11 @@ tokens) and for SentencePiece (a leading space depends on the previous token).
 So each step decodes a short window that starts a few tokens back, and emits the
 text beyond what the same window decoded before; a window ending in an incomplete
 UTF-8 sequence (U+FFFD) emits nothing until it completes.
+
+The window starts in the prompt's last tokens (as vLLM's does): the first generated
+token is decoded after its real predecessor, so a SentencePiece model's leading space
+("▁Paris" after "is") is kept instead of being stripped as at the start of a text.
+The result equals ``decode(prompt + output)[len(decode(prompt)):]``.
 """
 
 from __future__ import annotations
@@ -12,13 +17,17 @@ from __future__ import annotations
 from fivefold.models.tokenizer import Tokenizer
 
 
+PROMPT_CONTEXT = 5  # prompt tokens the first window starts with
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.token_ids)
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:

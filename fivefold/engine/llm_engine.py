@@ -66,7 +66,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         seq = Sequence(request_id, token_ids, params)
-        self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), text)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, token_ids)
+        self.requests[request_id] = _RequestState(seq, detokenizer, text)
         self.scheduler.add(seq)
         return request_id
 
