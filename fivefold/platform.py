@@ -61,10 +61,7 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 def forced_by() -> str | None:
     """The environment variable forcing AVX2-level paths, as ``NAME=value``, or None."""
     for var, values in _FORCING:
-        value = os.environ.get(var, "").strip().lower()
-        if value and (value in values or (var.endswith("MAX_CPU_ISA") and value.startswith("avx2"))):
-            if var.endswith("MAX_CPU_ISA") and value.startswith("avx2_vnni"):
-                continue  # AVX2 with VNNI: int8 stays exact
+        if os.environ.get(var, "").strip().lower() in values:  # AVX2_VNNI is not listed: int8 stays exact
             return f"{var}={os.environ[var]}"
     return None
 

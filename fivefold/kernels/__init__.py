@@ -8,8 +8,8 @@ and ``-march`` it was compiled for), so a cache shared between an AVX-512 and an
 host never hands one a binary compiled for the other's instructions (SIGILL). With
 AVX2 forced (see :mod:`fivefold.platform`) the kernels are compiled for x86-64-v3.
 OpenMP: the extensions link ``libgomp.so.1``, which resolves to the copy torch has
-already loaded, so one OpenMP runtime (one thread pool) serves both. Each registers its ops with the dispatcher under
-``torch.ops.fivefold`` (so torch.profiler sees them by name, with shapes). When no
+already loaded, so one OpenMP runtime (one thread pool) serves both. Each registers its
+ops with the dispatcher under ``torch.ops.fivefold`` (so torch.profiler sees them by name, with shapes). When no
 compiler is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall back to
 their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
 

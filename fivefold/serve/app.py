@@ -79,19 +79,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 async def _read_limited(receive, limit: int):
     """(body, a receive that replays it) when the body is at most ``limit`` bytes; (None, receive)
     as soon as it is over (the rest is not read)."""
-    chunks, size = [], 0
+    chunks, size, pending = [], 0, []
     while True:
         message = await receive()
-        if message["type"] != "http.request":  # the client left: let the app see it
-            chunks.append(b"")
-            pending = [message]
+        if message["type"] != "http.request":  # the client left: let the app see it after the body
+            pending.append(message)
             break
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:
             return None, receive
         if not message.get("more_body", False):
-            pending = []
             break
     body = b"".join(chunks)
     replay = [{"type": "http.request", "body": body, "more_body": False}, *pending]

@@ -204,7 +204,7 @@ def test_fivefold_serve_exits_1_when_its_engine_fails():
 
     async def app(scope, receive, send):  # a bare ASGI app: only the exit path is under test
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
 
