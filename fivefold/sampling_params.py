@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from fivefold.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
-
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # bounds the per-token scan for a stop string (and its held-back prefix)
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
 
@@ -65,7 +66,10 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (len(self.stop) <= 16 and all(self.stop), "stop must be at most 16 non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS and all(self.stop),
+             f"stop must be at most {MAX_STOP_STRINGS} non-empty strings"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"each stop string must be at most {MAX_STOP_CHARS} characters"),
             (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}"),

@@ -24,6 +24,22 @@ from fivefold.models.loader import LoadedModel
 from fivefold.sampling_params import SamplingParams
 
 
+def _stop_prefix_len(text: str, stops: list[str] | tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops`` (0 if none)."""
+    if not text:
+        return 0
+    longest = 0
+    for stop in stops:
+        # A candidate prefix must end with text's last character: walk those ends from the longest down.
+        end = stop.rfind(text[-1], 0, len(stop) - 1)
+        while end >= longest:
+            if text.endswith(stop[: end + 1]):
+                longest = end + 1
+                break
+            end = stop.rfind(text[-1], 0, end)
+    return longest
+
+
 @dataclass
 class _RequestState:
     seq: Sequence
@@ -154,11 +170,16 @@ class LLMEngine:
 
     def _output(self, state: _RequestState, new_token_ids: list[int]) -> RequestOutput:
         seq = state.seq
-        delta = state.text[state.num_emitted_chars:]
-        state.num_emitted_chars = len(state.text)
+        # Until the request finishes, a tail that could still grow into a stop string is held back, so a
+        # streaming client never receives text that the final answer cuts (vLLM holds back the same way).
+        num_visible = len(state.text) if seq.is_finished else len(state.text) - _stop_prefix_len(
+            state.text, seq.params.stop)
+        num_visible = max(num_visible, state.num_emitted_chars)
+        delta = state.text[state.num_emitted_chars:num_visible]
+        state.num_emitted_chars = num_visible
         completion = CompletionOutput(
             index=0,
-            text=state.text,
+            text=state.text[:num_visible],
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -45,6 +45,58 @@ def test_stop_string_truncates_text(llm, greedy):
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
+def _stream(llm, params):
+    """Drive the engine step by step as the server does; return the deltas and the final output."""
+    rid = llm.engine.add_request(PROMPT, params)
+    deltas, final = [], None
+    while final is None:
+        for out in llm.engine.step():
+            if out.request_id == rid:
+                deltas.append(out.delta_text)
+                assert out.outputs[0].text == "".join(deltas)  # the cumulative text is what was streamed
+                final = out if out.finished else None
+    return deltas, final.outputs[0]
+
+
+def test_streaming_never_sends_text_that_a_stop_string_cuts(llm, greedy):
+    """Every stop string that straddles a token boundary: a client that concatenates the streamed deltas
+    gets exactly the non-streamed answer, and never sees text that the answer later cuts."""
+    text, num_straddling = greedy.text, 0
+    pieces = [llm.tokenizer.decode(greedy.token_ids[:i]) for i in range(len(greedy.token_ids) + 1)]
+    bounds = {len(p) for p in pieces}
+    for start in range(0, len(text) - 6, 3):
+        stop = text[start: start + 6]
+        if not any(start < b < start + 6 for b in bounds) or not stop.strip():
+            continue
+        num_straddling += 1
+        for keep in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=24, stop=[stop, "@@never@@"], ignore_eos=True,
+                                    include_stop_str_in_output=keep)
+            whole = llm.generate(PROMPT, params)[0].outputs[0]
+            deltas, final = _stream(llm, params)
+            assert "".join(deltas) == whole.text == final.text, (stop, deltas)
+            assert whole.text == text[: text.index(stop) + (len(stop) if keep else 0)]
+    assert num_straddling >= 5
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop(llm, greedy):
+    """A stop string that shares a prefix with the text but never completes: nothing is lost at the end."""
+    text = greedy.text
+    stop = text[-3:] + "\u2603"  # the text's last characters, then one that never comes
+    deltas, final = _stream(llm, SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))
+    assert final.finish_reason == "length" and "".join(deltas) == text
+    assert deltas[-1].endswith(text[-3:])  # held back until the request finished
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("abc", ["cde"], 1), ("abcd", ["cdx"], 2), ("abc", ["abc"], 0), ("xab", ["abab"], 2),
+    ("aab", ["aabx", "bq"], 3), ("", ["a"], 0), ("zz", ["y"], 0), ("aa", ["aaa"], 2),
+])
+def test_stop_prefix_len(text, stops, expected):
+    from fivefold.engine.llm_engine import _stop_prefix_len
+    assert _stop_prefix_len(text, stops) == expected
+
+
 def test_stop_token_id(llm, greedy):
     stop_id = greedy.token_ids[5]
     first = greedy.token_ids.index(stop_id)

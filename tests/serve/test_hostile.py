@@ -44,6 +44,8 @@ HOSTILE = [
     ("logprobs 10^6", "completions", {**OK, "logprobs": 10**6}, 400, "logprobs must be in"),
     ("17 stop strings", "completions", {**OK, "stop": ["x"] * 17}, 400, "stop must be at most 16"),
     ("empty stop string", "completions", {**OK, "stop": [""]}, 400, "stop must be at most 16 non-empty"),
+    ("stop string of 2000 characters", "completions", {**OK, "stop": ["x" * 2000]}, 400,
+     "each stop string must be at most 1024 characters"),
     ("prompt of wrong type", "completions", {**OK, "prompt": {"a": 1}}, 422, "prompt"),
     ("negative token id", "completions", {**OK, "prompt": [-1]}, 400, "prompt token ids must be in"),
     ("empty prompt", "completions", {**OK, "prompt": ""}, 400, "the prompt is empty"),
