@@ -7,6 +7,7 @@ tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -74,7 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory (this process's LRU; one per replica) or redis://HOST:PORT (one for all)")
     serve.add_argument("--result-cache-entries", type=int, default=1024, help="0 disables the result cache")
     serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
-    serve.add_argument("--prompt-version", default="v1", help="result-cache version (X-Prompt-Version overrides)")
+    serve.add_argument("--prompt-version", default="v1",
+                       help="result-cache prompt version (change it live: POST /admin/prompt-version)")
+    serve.add_argument("--admin-key", default=os.environ.get("FIVEFOLD_ADMIN_KEY"),
+                       help="enable /admin/* behind 'Authorization: Bearer KEY' (default: $FIVEFOLD_ADMIN_KEY; "
+                            "without it the admin endpoints answer 403)")
+    serve.add_argument("--cache-namespace", default="default",
+                       help="Redis result cache: separates deployments sharing one Redis (with the model's hash)")
+    serve.add_argument("--redis-configure-lru", action="store_true",
+                       help="let the Redis result cache set the server's maxmemory and allkeys-lru policy")
     serve.add_argument("--max-batch-size", type=int, default=32, help="encoders: requests per batch")
     serve.add_argument("--max-batch-tokens", type=int, default=16384,
                        help="encoders: padded tokens per batch (requests x longest)")
@@ -417,12 +426,14 @@ def _server_spec(args):
                       max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout,
                       result_cache=args.result_cache if args.result_cache_entries > 0 else None,
                       result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
-                      prompt_version=args.prompt_version, max_body_bytes=args.max_body_bytes)
+                      prompt_version=args.prompt_version, cache_namespace=args.cache_namespace,
+                      redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes)
 
 
 def _serve_replicas(args, spec) -> int:
     from fivefold.engine.config import EngineConfig
     from fivefold.models.loader import load_tokenizer
+    from fivefold.cache.redis_cache import redact_url
     from fivefold.serve.cluster import ClusterConfig, ReplicaSet, build_cluster_app
 
     # Everything a replica would fail on is checked here first, for a one-line error.
@@ -435,9 +446,10 @@ def _serve_replicas(args, spec) -> int:
     try:
         replicas.start()
         app = build_cluster_app(replicas, tokenizer, spec.served_model_name, api_key=args.api_key,
-                                max_body_bytes=args.max_body_bytes)
+                                max_body_bytes=args.max_body_bytes, admin_key=args.admin_key)
+        cache = redact_url(spec.result_cache) if spec.result_cache else "off"
         print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
-              f"({args.routing} routing, result cache: {spec.result_cache or 'off'})", file=sys.stderr)
+              f"({args.routing} routing, result cache: {cache})", file=sys.stderr)
         try:
             _run_uvicorn(app, args)
         except SystemExit as exc:
@@ -463,7 +475,7 @@ def cmd_serve(args) -> int:
     spec = _server_spec(args)
     if args.replicas is not None:
         return _serve_replicas(args, spec)
-    engine, app = create_llm_server(spec, api_key=args.api_key)
+    engine, app = create_llm_server(spec, api_key=args.api_key, admin_key=args.admin_key)
     print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         return _run_uvicorn(app, args, engine)

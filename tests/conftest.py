@@ -3,6 +3,7 @@ and the built-in SmolLM2 loaded once per session."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -84,10 +85,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url():
-    """A redis-server from Debian's package on 127.0.0.1 (no persistence), stopped afterwards.
-    `make test` installs the package; without it the Redis tests fail and say so."""
+@contextlib.contextmanager
+def redis_server(*extra_args: str, password: str | None = None):
+    """A redis-server from Debian's package on 127.0.0.1 (no persistence) for the block: yields
+    its URL (with the password, if one is required). `make test` installs the package."""
     import shutil
     import subprocess
     import time
@@ -98,18 +99,28 @@ def redis_url():
     if binary is None:
         pytest.fail("redis-server is not installed (make setup installs Debian's redis-server)")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
+    auth = ("--requirepass", password) if password else ()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             *auth, *extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     deadline = time.time() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.time() < deadline and proc.poll() is None, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.time() < deadline and proc.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """One redis-server for the session (see ``redis_server``)."""
+    with redis_server() as url:
+        yield url

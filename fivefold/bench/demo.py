@@ -24,7 +24,8 @@ from fivefold.bench.offline_bench import (
     run_offline,
     token_agreement,
 )
-from fivefold.bench.registry import RunRegistry, machine_description, model_fingerprint
+from fivefold.bench.registry import RunRegistry, machine_description
+from fivefold.models.fingerprint import model_fingerprint
 from fivefold.quant.config import Int8Config
 
 

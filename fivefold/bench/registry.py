@@ -89,32 +89,6 @@ def git_commit() -> str | None:
         return None
 
 
-def model_fingerprint(model: str | None) -> str | None:
-    """A short hash identifying a model's weights: size plus the first and last MiB of each
-    weight file (reading whole files would take seconds); None when it cannot be resolved."""
-    import hashlib
-
-    if not model:
-        return None
-    try:
-        from fivefold.models.registry import resolve_model_path
-
-        path = Path(resolve_model_path(model))
-    except Exception:
-        return None
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir()
-                                                   if p.suffix in (".safetensors", ".gguf", ".json"))
-    h = hashlib.sha256()
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """Changed keys, descending into sub-configs present on both sides: a sub-config
     switched on (None -> {...}) is one variable, not one per field."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fivefold.bench.registry import RunRegistry, machine_description, model_fingerprint
+from fivefold.bench.registry import RunRegistry, machine_description
+from fivefold.models.fingerprint import model_fingerprint
 
 
 def json_line(payload: dict[str, Any]) -> str:

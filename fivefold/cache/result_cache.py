@@ -5,6 +5,14 @@ where the canonical request is the JSON of the prompt or messages and every
 sampling parameter, with sorted keys. Only deterministic requests are cacheable
 (temperature 0, or a fixed seed). LRU, bounded by entries and by bytes.
 Changing the version (``set_version``) purges every entry of other versions.
+
+The version is the operator's: ``fivefold serve --prompt-version`` at start, then
+``POST /admin/prompt-version`` behind the admin key (fivefold/serve/app.py); an ordinary
+request cannot set it, so no client can purge the cache for the others.
+
+Both backends (this in-process LRU and the Redis one, redis_cache.py) have one async
+interface, ``get``/``put``/``set_version``/``keys``, so the server awaits either without
+blocking its event loop on the network.
 """
 
 from __future__ import annotations
@@ -44,23 +52,30 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def is_shared(self) -> bool:
+        """False: this cache lives in one process (each replica has its own)."""
+        return False
+
     @staticmethod
     def make_key(model_fingerprint: str, version: str, request: dict[str, Any]) -> str:
         canonical = json.dumps([model_fingerprint, version, request], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    def set_version(self, version: str) -> None:
-        """Make ``version`` current and purge every entry of another version."""
+    async def set_version(self, version: str) -> int:
+        """Make ``version`` current and purge every entry of another version; return how many."""
         with self._lock:
             if version == self.version:
-                return
+                return 0
             self.version = version
-            for key in [k for k, (v, _, _) in self._entries.items() if v != version]:
+            stale = [k for k, (v, _, _) in self._entries.items() if v != version]
+            for key in stale:
                 _, _, nbytes = self._entries.pop(key)
                 self.num_bytes -= nbytes
-                self.stats.purged += 1
+            self.stats.purged += len(stale)
+            return len(stale)
 
-    def get(self, key: str) -> Any | None:
+    async def get(self, key: str) -> Any | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry[0] != self.version:
@@ -70,7 +85,7 @@ class ResultCache:
             self.stats.hits += 1
             return entry[1]
 
-    def put(self, key: str, value: Any) -> None:
+    async def put(self, key: str, value: Any) -> None:
         nbytes = len(json.dumps(value, separators=(",", ":")))
         with self._lock:
             if nbytes > self.max_bytes:
@@ -85,7 +100,7 @@ class ResultCache:
                 self.num_bytes -= evicted_bytes
                 self.stats.evictions += 1
 
-    def keys(self) -> list[str]:
+    async def keys(self) -> list[str]:
         """Keys from least to most recently used."""
         with self._lock:
             return list(self._entries)
@@ -94,17 +109,23 @@ class ResultCache:
 RESULT_CACHE_BACKENDS = "memory | redis://HOST:PORT[/DB]"
 
 
-def make_result_cache(backend: str, max_entries: int = 1024, max_bytes: int = 64 << 20, version: str = "v1"):
+def make_result_cache(backend: str, max_entries: int = 1024, max_bytes: int = 64 << 20, version: str | None = "v1",
+                      namespace: str = "default", configure_lru: bool = False):
     """The result cache ``--result-cache`` names: ``memory`` (this process's LRU, the default)
-    or a ``redis://`` URL (one cache for every replica and front; see redis_cache.py)."""
+    or a ``redis://`` URL (one cache for every replica of a deployment; see redis_cache.py).
+
+    ``namespace`` separates deployments sharing one Redis (the server passes its
+    ``--cache-namespace`` and the model's fingerprint); ``version`` None adopts the version
+    stored there (a replica restarted behind a front); ``configure_lru`` lets the cache set
+    Redis's ``maxmemory`` and eviction policy (``--redis-configure-lru``)."""
     from fivefold.errors import FivefoldError
 
     if backend == "memory":
         if max_entries < 1 or max_bytes < 1:
             raise FivefoldError(f"result cache bounds must be >= 1, got {max_entries} entries and {max_bytes} bytes")
-        return ResultCache(max_entries, max_bytes, version)
+        return ResultCache(max_entries, max_bytes, version or "v1")
     if backend.startswith(("redis://", "rediss://", "unix://")):
         from fivefold.cache.redis_cache import RedisResultCache
 
-        return RedisResultCache(backend, max_bytes, version)
+        return RedisResultCache(backend, max_bytes, version, namespace=namespace, configure_lru=configure_lru)
     raise FivefoldError(f"--result-cache must be {RESULT_CACHE_BACKENDS}, got '{backend}'")

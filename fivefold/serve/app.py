@@ -26,13 +26,14 @@ from fivefold.cache.result_cache import ResultCache, is_cacheable
 from fivefold.errors import (
     EngineDeadError,
     FivefoldError,
+    InvalidRequestError,
     OverloadedError,
     QueueTimeoutError,
     ReplicaUnavailableError,
 )
 from fivefold.sampling_params import SamplingParams, wrap_seed
 from fivefold.serve.async_engine import AsyncEngine
-from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest
+from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest, PromptVersionRequest
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -53,21 +54,48 @@ class ServerSpec:
     result_cache_entries: int = 1024
     result_cache_bytes: int = 64 << 20
     prompt_version: str = "v1"
+    cache_namespace: str = "default"  # separates deployments that share one Redis
+    redis_configure_lru: bool = False  # let the cache set Redis's maxmemory and eviction policy
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     num_threads: int | None = None  # torch threads (a replica's share of its node); None: torch's default
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise FivefoldError(f"a server needs at least 1 thread, got {self.num_threads}")
+        check_label("--prompt-version", self.prompt_version)
+        check_label("--cache-namespace", self.cache_namespace)
 
-    def make_result_cache(self):
-        """The result cache this spec names, or None (raises FivefoldError on a bad backend)."""
+    def make_result_cache(self, behind_front: bool = False):
+        """The result cache this spec names, or None (raises FivefoldError on a bad backend).
+
+        A shared (Redis) cache is namespaced by ``cache_namespace`` and the weights' content
+        fingerprint. ``behind_front``: a replica adopts the version stored there rather than
+        the start-up one, so a replica restarted after an admin change never reverts it."""
         from fivefold.cache.result_cache import make_result_cache
+        from fivefold.models.fingerprint import weights_fingerprint
+        from fivefold.models.registry import resolve_model_path
 
         if self.result_cache is None:
             return None
+        namespace = self.cache_namespace
+        if self.result_cache != "memory":
+            namespace = f"{namespace}:{weights_fingerprint(resolve_model_path(self.model))}"
         return make_result_cache(self.result_cache, self.result_cache_entries, self.result_cache_bytes,
-                                 self.prompt_version)
+                                 None if behind_front else self.prompt_version, namespace,
+                                 self.redis_configure_lru)
+
+
+LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+MAX_LABEL_CHARS = 64
+
+
+def check_label(what: str, value: str) -> str:
+    """A prompt version or cache namespace: 1-64 characters of letters, digits, '.', '_', '-'
+    (they become part of Redis keys and HTTP headers)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_LABEL_CHARS or not set(value) <= LABEL_CHARS:
+        raise InvalidRequestError(f"{what} must be 1-{MAX_LABEL_CHARS} characters of letters, digits, '.', '_' "
+                                  f"or '-', got {value!r}"[:200])
+    return value
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -100,6 +128,41 @@ async def _read_limited(receive, limit: int):
     return body, replayed
 
 
+PROMPT_VERSION_REFUSAL = ("X-Prompt-Version is not accepted from clients: the operator sets the prompt version "
+                          "(fivefold serve --prompt-version, or POST /admin/prompt-version with the admin key)")
+# What the front tells a replica the current prompt version is; honoured only behind a front.
+FRONT_VERSION_HEADER = "x-fivefold-prompt-version"
+
+
+def add_prompt_version_admin(app: FastAPI, admin_key: str | None, current, change) -> None:
+    """``GET``/``POST /admin/prompt-version`` behind ``Authorization: Bearer ADMIN_KEY``
+    (its own key, not the API key; without one the endpoints answer 403). ``current()``
+    is the version now; ``await change(version)`` makes a new one current and returns the
+    extra fields of the reply (e.g. how many entries were purged)."""
+    import hmac
+
+    def authorize(request: Request) -> None:
+        if admin_key is None:
+            raise APIError(403, "admin endpoints are disabled: start the server with --admin-key "
+                                "(or FIVEFOLD_ADMIN_KEY)", code="admin_disabled")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {admin_key}".encode()):
+            raise APIError(401, "invalid or missing admin key (Authorization: Bearer ADMIN_KEY)",
+                           code="invalid_admin_key")
+
+    @app.get("/admin/prompt-version")
+    async def get_prompt_version(request: Request):
+        authorize(request)
+        return {"object": "prompt_version", "version": current()}
+
+    @app.post("/admin/prompt-version")
+    async def set_prompt_version(request: Request, body: PromptVersionRequest):
+        authorize(request)
+        previous, version = current(), check_label("version", body.version)
+        extra = await change(version)
+        return {"object": "prompt_version", "version": version, "previous": previous, **extra}
+
+
 def replica_unavailable_response(exc: ReplicaUnavailableError) -> JSONResponse:
     return error_response(503, str(exc), code="replica_unavailable", error_type="server_error")
 
@@ -113,10 +176,10 @@ class APIError(Exception):
 def model_fingerprint(engine: AsyncEngine) -> str:
     """What identifies the served weights in result-cache keys: a hash of the checkpoint's
     content (not its path), so replicas on different machines share keys."""
-    from fivefold.bench.registry import model_fingerprint as content_hash
+    from fivefold.models.fingerprint import weights_fingerprint
 
     loaded = engine.engine.loaded
-    return f"{content_hash(str(loaded.path))}|{loaded.model.dtype}"
+    return f"{weights_fingerprint(loaded.path)}|{loaded.model.dtype}"
 
 
 def registry_text(registry):
@@ -150,6 +213,8 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
                 refusal = None
                 if length.isdigit() and int(length) > max_body_bytes:
                     refusal = error_response(413, f"request body is {length} bytes; the limit is {max_body_bytes} bytes")
+                elif b"x-prompt-version" in headers:
+                    refusal = error_response(400, PROMPT_VERSION_REFUSAL, param="X-Prompt-Version")
                 elif api_key is not None and scope["path"].startswith("/v1/") and \
                         headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
                     refusal = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
@@ -235,15 +300,28 @@ def check_model(name: str | None, model_name: str) -> None:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, result_cache: ResultCache | None = None,
-              prompt_version: str = "v1") -> FastAPI:
+              prompt_version: str | None = None, admin_key: str | None = None,
+              behind_front: bool = False) -> FastAPI:
     """The FastAPI app. With ``result_cache``, deterministic requests (temperature 0 or a
     seed) are answered from it when the same request was answered before under the same
-    prompt version; ``X-Cache: hit|miss|bypass`` says which, ``Cache-Control: no-cache``
-    bypasses it, and ``X-Prompt-Version`` (default ``prompt_version``) selects the version."""
+    prompt version; ``X-Cache: hit|miss|bypass`` says which, and ``Cache-Control: no-cache``
+    bypasses it.
+
+    The prompt version is the operator's: ``prompt_version`` (default: the cache's own) at
+    start, then ``POST /admin/prompt-version`` with ``admin_key``. A replica
+    (``behind_front``) takes it from the front's ``X-Fivefold-Prompt-Version`` header
+    instead; a client's ``X-Prompt-Version`` is refused with a 400."""
     app = build_base_app(model_name, registry_text(None if engine.metrics is None else engine.metrics.registry),
                          api_key, max_body_bytes, is_healthy=lambda: engine.is_running)
     tokenizer = engine.tokenizer
     fingerprint = model_fingerprint(engine)
+    versions = {"current": check_label("prompt version", prompt_version or getattr(result_cache, "version", "v1"))}
+
+    async def change_version(version: str) -> dict:
+        versions["current"] = version
+        return {"num_purged": 0 if result_cache is None else await result_cache.set_version(version)}
+
+    add_prompt_version_admin(app, admin_key, lambda: versions["current"], change_version)
 
     def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -344,7 +422,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 item = await merged.get()
             outs = [finals[i] for i in sorted(finals)]
             if on_complete is not None and len(outs) == params.n:
-                on_complete(outs)
+                await on_complete(outs)
             if include_usage:
                 cached = outs[0].num_cached_tokens if outs else 0
                 yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': usage(prompt_ids, outs, cached)})}\n\n"
@@ -353,17 +431,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             for t in tasks:
                 t.cancel()  # a client that went away: the streams' finally blocks abort the requests
 
-    def cache_lookup(endpoint: str, req, request: Request):
+    async def cache_lookup(endpoint: str, req, request: Request):
         """(key or None, cached body or None, X-Cache value)."""
         if result_cache is None:
             return None, None, "bypass"
         fields = req.model_dump(exclude={"stream", "stream_options", "user", "model"})
         if "no-cache" in request.headers.get("cache-control", "") or not is_cacheable(fields):
             return None, None, "bypass"
-        version = request.headers.get("x-prompt-version") or prompt_version
-        result_cache.set_version(version)
+        version = versions["current"]
+        if behind_front and request.headers.get(FRONT_VERSION_HEADER):
+            version = check_label("prompt version", request.headers[FRONT_VERSION_HEADER])
+        await result_cache.set_version(version)  # a no-op unless the version changed
         key = ResultCache.make_key(fingerprint, version, {"endpoint": endpoint, **fields})
-        body = result_cache.get(key)
+        body = await result_cache.get(key)
         if engine.metrics is not None:
             (engine.metrics.result_cache_hits if body is not None else engine.metrics.result_cache_misses).inc()
         return key, body, "hit" if body is not None else "miss"
@@ -404,7 +484,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         finished choice / of a stream chunk."""
         prefix, object_name, chunk_object = endpoints[kind]
         include = bool(req.stream_options and req.stream_options.include_usage)
-        key, hit, cache_state = cache_lookup(kind, req, request)
+        key, hit, cache_state = await cache_lookup(kind, req, request)
         headers = {"X-Cache": cache_state}
         if hit is not None:
             body = fresh_ids(hit, prefix)
@@ -415,12 +495,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         base_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         prepare(prompt_ids, params, base_id)
 
-        def body_from(outs) -> dict:
+        async def body_from(outs) -> dict:
             body = {"id": base_id, "object": object_name, "created": created, "model": model_name,
                     "choices": [{"index": i, **choice_of(o)} for i, o in enumerate(outs)],
                     "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
             if key is not None:
-                result_cache.put(key, body)
+                await result_cache.put(key, body)
             return body
 
         def chunk(i, out):
@@ -438,7 +518,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                                     on_complete=body_from),
                                      media_type="text/event-stream", headers=headers)
         outs = await run_choices(request, prompt_ids, params, base_id)
-        return JSONResponse(body_from(outs), headers=headers)
+        return JSONResponse(await body_from(outs), headers=headers)
 
     def new_logprobs(out, convert):
         """Logprob entries of the tokens this output added."""
@@ -487,8 +567,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     return app
 
 
-def create_llm_server(spec: ServerSpec, api_key: str | None = None) -> tuple[AsyncEngine, FastAPI]:
-    """(engine, app): the model loaded, its engine thread running, the app over it."""
+def create_llm_server(spec: ServerSpec, api_key: str | None = None, admin_key: str | None = None,
+                      behind_front: bool = False) -> tuple[AsyncEngine, FastAPI]:
+    """(engine, app): the model loaded, its engine thread running, the app over it
+    (``behind_front``: a replica, which takes the prompt version from its front)."""
     import torch
 
     from fivefold.llm import LLM
@@ -500,6 +582,8 @@ def create_llm_server(spec: ServerSpec, api_key: str | None = None) -> tuple[Asy
     engine = AsyncEngine(llm.engine, ServerMetrics(spec.served_model_name),
                          max_queued_requests=spec.max_queued_requests, max_queued_tokens=spec.max_queued_tokens,
                          queue_timeout=spec.queue_timeout)
+    cache = spec.make_result_cache(behind_front)
     app = build_app(engine, spec.served_model_name, api_key=api_key, max_body_bytes=spec.max_body_bytes,
-                    result_cache=spec.make_result_cache(), prompt_version=spec.prompt_version)
+                    result_cache=cache, prompt_version=None if behind_front else spec.prompt_version,
+                    admin_key=admin_key, behind_front=behind_front)
     return engine, app

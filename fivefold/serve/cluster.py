@@ -394,12 +394,23 @@ def routing_prompt_ids(tokenizer, path: str, body: bytes) -> list[int]:
 
 
 def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
-                      max_body_bytes: int = 1 << 20):
+                      max_body_bytes: int = 1 << 20, admin_key: str | None = None):
     """The front's FastAPI app: the base app's endpoints, plus the two generation
-    endpoints forwarded to the replica the router picks (``X-Fivefold-Replica`` says which)."""
+    endpoints forwarded to the replica the router picks (``X-Fivefold-Replica`` says which).
+
+    The front owns the result cache's prompt version (``--prompt-version``, then
+    ``POST /admin/prompt-version`` here) and sends it with every forwarded request, so
+    every replica, a restarted one included, answers under the current version; each
+    replica's cache purges the old version's entries the first time it sees the new one."""
     from fastapi.responses import Response, StreamingResponse
 
-    from fivefold.serve.app import await_unless_disconnected, build_base_app, replica_unavailable_response
+    from fivefold.serve.app import (
+        FRONT_VERSION_HEADER,
+        add_prompt_version_admin,
+        await_unless_disconnected,
+        build_base_app,
+        replica_unavailable_response,
+    )
 
     @asynccontextmanager
     async def lifespan(_):
@@ -411,13 +422,21 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
 
     app = build_base_app(model_name, replicas.metrics_text, api_key, max_body_bytes,
                          is_healthy=replicas.has_healthy, lifespan=lifespan)
+    versions = {"current": replicas.spec.prompt_version}
+
+    async def change_version(version: str) -> dict:
+        versions["current"] = version
+        return {}
+
+    add_prompt_version_admin(app, admin_key, lambda: versions["current"], change_version)
 
     async def forward(request: Request):
         body = await request.body()
         prompt_ids = routing_prompt_ids(tokenizer, request.url.path, body) if replicas.needs_prompt_ids else []
         replica_id = replicas.choose(prompt_ids)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {FRONT_VERSION_HEADER}]
+        headers.append((FRONT_VERSION_HEADER, versions["current"]))
         stream = replicas.stream(replica_id, request.method, path, headers, body)
 
         def unavailable(exc: ReplicaUnavailableError):  # the replica died before its reply was whole

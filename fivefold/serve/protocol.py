@@ -61,3 +61,11 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+class PromptVersionRequest(BaseModel):
+    """``POST /admin/prompt-version``: the result cache's new prompt version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str

@@ -80,8 +80,8 @@ class EngineReplica:
         from fivefold.serve.app import create_llm_server
 
         self.replica_id = replica_id
-        # The front checked the API key and the body size; the replica trusts it.
-        self.engine, self.app = create_llm_server(spec)
+        # The front checked the API key and the body size, and owns the prompt version; the replica trusts it.
+        self.engine, self.app = create_llm_server(spec, behind_front=True)
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
         """Stream one forwarded HTTP request's response: ``(status, headers)``, then bytes."""

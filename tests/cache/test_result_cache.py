@@ -1,3 +1,5 @@
+import asyncio
+
 from fivefold.cache.result_cache import ResultCache, is_cacheable
 
 
@@ -6,30 +8,37 @@ def key(i: int, version: str = "v1") -> str:
 
 
 def test_hit_miss_and_lru_order():
-    cache = ResultCache(max_entries=3)
-    for i in range(3):
-        cache.put(key(i), {"text": i})
-    assert cache.get(key(0)) == {"text": 0}  # 0 becomes most recent
-    cache.put(key(3), {"text": 3})  # evicts the least recently used: 1
-    assert cache.keys() == [key(2), key(0), key(3)]
-    assert cache.get(key(1)) is None
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 1, 1)
+    async def run():
+        cache = ResultCache(max_entries=3)
+        for i in range(3):
+            await cache.put(key(i), {"text": i})
+        assert await cache.get(key(0)) == {"text": 0}  # 0 becomes most recent
+        await cache.put(key(3), {"text": 3})  # evicts the least recently used: 1
+        assert await cache.keys() == [key(2), key(0), key(3)]
+        assert await cache.get(key(1)) is None
+        assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 1, 1)
+    asyncio.run(run())
 
 
 def test_byte_bound():
-    cache = ResultCache(max_entries=100, max_bytes=60)
-    cache.put(key(0), {"text": "a" * 20})  # 31 bytes of JSON: two do not fit in 60
-    cache.put(key(1), {"text": "b" * 20})
-    assert cache.keys() == [key(1)] and cache.num_bytes == 31
-    cache.put(key(2), {"text": "c" * 100})  # larger than the whole cache: not stored
-    assert cache.keys() == [key(1)]
+    async def run():
+        cache = ResultCache(max_entries=100, max_bytes=60)
+        await cache.put(key(0), {"text": "a" * 20})  # 31 bytes of JSON: two do not fit in 60
+        await cache.put(key(1), {"text": "b" * 20})
+        assert await cache.keys() == [key(1)] and cache.num_bytes == 31
+        await cache.put(key(2), {"text": "c" * 100})  # larger than the whole cache: not stored
+        assert await cache.keys() == [key(1)]
+    asyncio.run(run())
 
 
 def test_version_change_purges_other_versions():
-    cache = ResultCache(version="v1")
-    cache.put(key(0, "v1"), {"text": 0})
-    cache.set_version("v2")
-    assert len(cache) == 0 and cache.stats.purged == 1 and cache.get(key(0, "v1")) is None
+    async def run():
+        cache = ResultCache(version="v1")
+        await cache.put(key(0, "v1"), {"text": 0})
+        assert await cache.set_version("v1") == 0
+        assert await cache.set_version("v2") == 1
+        assert len(cache) == 0 and cache.stats.purged == 1 and await cache.get(key(0, "v1")) is None
+    asyncio.run(run())
 
 
 def test_key_covers_every_parameter_and_only_deterministic_requests_are_cacheable():

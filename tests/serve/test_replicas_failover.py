@@ -24,10 +24,14 @@ def model_dir(replica_model_dir):
     return replica_model_dir
 
 
+ADMIN = "front-admin-key"
+
+
 @pytest.fixture(scope="module")
 def round_robin_redis(model_dir, tmp_path_factory, redis_url):
     redis.Redis.from_url(redis_url).flushall()
-    with replica_cluster(model_dir, tmp_path_factory, "--routing", "round-robin", "--result-cache", redis_url) as (_, url):
+    with replica_cluster(model_dir, tmp_path_factory, "--routing", "round-robin", "--result-cache", redis_url,
+                         "--cache-namespace", "failover", "--admin-key", ADMIN) as (_, url):
         yield url
 
 
@@ -35,21 +39,29 @@ def test_redis_result_cache_hit_on_the_other_replica_and_version_bump(round_robi
     url = round_robin_redis
     body = {"model": model_dir, "prompt": "w40 w41 w42 w43", "max_tokens": 6, "temperature": 0}
 
-    def post(version: str):
-        reply = httpx.post(url + "/v1/completions", json=body, headers={"X-Prompt-Version": version}, timeout=60)
+    def post():
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200
         return reply.headers["x-cache"], reply.headers["x-fivefold-replica"], reply.json()["choices"]
 
-    state, first_replica, choices = post("v1")
+    state, first_replica, choices = post()
     assert state == "miss"
-    state, second_replica, cached = post("v1")
+    state, second_replica, cached = post()
     assert (state, cached) == ("hit", choices) and second_replica != first_replica
     raw = redis.Redis.from_url(redis_url)
-    assert len(raw.keys("fivefold:result:v1:*")) == 1
-    state, bumped_replica, _ = post("v2")
+    (version_key,) = raw.keys("fivefold:failover:*:version")  # namespace: --cache-namespace + model hash
+    prefix = version_key.decode()[: -len("version")]
+    assert len(raw.keys(prefix + "v1:*")) == 1
+    # A client cannot bump the version at the front; the operator can, with the admin key.
+    refused = httpx.post(url + "/v1/completions", json=body, headers={"X-Prompt-Version": "v2"}, timeout=60)
+    assert refused.status_code == 400 and "X-Prompt-Version" in refused.json()["error"]["message"]
+    changed = httpx.post(url + "/admin/prompt-version", json={"version": "v2"},
+                         headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert changed.json() == {"object": "prompt_version", "version": "v2", "previous": "v1"}
+    state, bumped_replica, _ = post()
     assert state == "miss", "a version bump invalidates the entry for every replica"
-    assert raw.keys("fivefold:result:v1:*") == [] and len(raw.keys("fivefold:result:v2:*")) == 1
-    state, replica, again = post("v2")
+    assert raw.keys(prefix + "v1:*") == [] and len(raw.keys(prefix + "v2:*")) == 1
+    state, replica, again = post()
     assert state == "hit" and replica != bumped_replica and again == choices
 
 
