@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # bounds the per-token scan for a stop string (and its held-back prefix)
 
+GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (see SamplingParams.is_greedy)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
 
 
@@ -22,7 +23,7 @@ def wrap_seed(seed: int) -> int:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    temperature 0 (or under 1e-5) means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
     repetition_penalty follows the CTRL/transformers rule over prompt and output;
     presence/frequency penalties follow OpenAI's, over the output only. ``logprobs``
     asks for the sampled token's log-probability plus the top N (from the model's
@@ -80,7 +81,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below GREEDY_TEMPERATURE: dividing logits by a temperature that
+        small overflows float32, and the distribution is argmax to within rounding (vLLM's rule)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -92,7 +92,11 @@ class Sampler:
         token_ids = logits.argmax(dim=-1).tolist()
         if not all(greedy):
             temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
-            scaled = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
+            # A tiny repetition penalty or temperature can push a logit past float32's range; an inf
+            # would turn softmax into NaN. Saturate instead: the largest logits stay the largest.
+            finfo = torch.finfo(logits.dtype)
+            scaled = torch.nan_to_num(logits / temps.unsqueeze(1), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+            scaled = apply_top_k_top_p_min_p(scaled, seqs)
             probs = scaled.softmax(dim=-1)
             for row, seq in enumerate(seqs):
                 if not greedy[row]:

@@ -111,3 +111,19 @@ def test_top_k_then_top_p_then_min_p_match_transformers_warpers():
             ([MinPLogitsWarper(min_p)] if min_p else [])
         ref = LogitsProcessorList(warpers)(None, logits.clone())
         assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (k, p, min_p)
+
+
+@pytest.mark.parametrize("kw", [
+    {"repetition_penalty": 5e-324, "temperature": 1.0},  # what the schema fuzzer sent: seen logits overflow
+    {"repetition_penalty": 1e-30, "temperature": 0.5, "top_p": 0.9, "min_p": 0.1},
+    {"temperature": 2e-5, "top_k": 3},  # just above the greedy threshold: logits x 5e4
+    {"temperature": 1e-300},  # below it: greedy
+])
+def test_extreme_parameters_in_range_give_a_token_not_an_error(kw):
+    logits = torch.randn(2, 50) * 30
+    logits[:, 5] = 1e38  # a logit already near float32's limit
+    seqs = [seq(SamplingParams(seed=i, **kw), prompt=(1, 2, 5, 7)) for i in range(2)]
+    out = Sampler()(logits.clone(), seqs)
+    assert all(0 <= t < 50 for t in out.token_ids)
+    if kw.get("temperature", 1.0) < 1e-5:
+        assert seqs[0].params.is_greedy and out.token_ids == logits.argmax(dim=-1).tolist()
