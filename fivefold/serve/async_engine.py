@@ -167,6 +167,8 @@ class AsyncEngine:
                     self.engine.abort(request_id)
                     if self.metrics is not None:
                         self.metrics.request_aborted(request_id)
+                        # The gauges must show the freed blocks even if no step follows (the last request left).
+                        self.metrics.observe_step(self.engine, [])
                 continue
             prompt_token_ids, params = rest
             try:

@@ -34,6 +34,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV blocks held by requests (not free, not evictable).")
+        self.kv_num_blocks = gauge("kv_cache_num_blocks", "KV blocks in the pool.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
@@ -61,6 +63,8 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(kv.num_used_blocks / kv.num_blocks)
+        self.kv_used_blocks.set(kv.num_used_blocks)
+        self.kv_num_blocks.set(kv.num_blocks)
         queries, hits = kv.stats.num_queries, kv.stats.num_hits
         self.prefix_queries.inc(queries - self._last_prefix[0])
         self.prefix_hits.inc(hits - self._last_prefix[1])

@@ -162,3 +162,8 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
     assert not engine.has_unfinished, "400 tokens take ~13 s: only an abort empties the engine this soon"
     assert time.time() - start < 5
     assert engine.kv_cache.num_used_blocks == 0
+    # The gauges follow the abort even though no step ran after it.
+    after = httpx.get(url + "/metrics").text
+    assert metric(after, "fivefold:num_requests_running") == 0
+    assert metric(after, "fivefold:kv_cache_used_blocks") == 0
+    assert metric(after, "fivefold:kv_cache_num_blocks") == engine.kv_cache.num_blocks
