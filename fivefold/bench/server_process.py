@@ -11,9 +11,10 @@ import time
 
 
 @contextlib.contextmanager
-def serve_process(*args: str, timeout: float = 120, log_path=None):
+def serve_process(*args: str, timeout: float = 120, log_path=None, launcher: list[str] | None = None):
     """`fivefold serve ARGS` in a subprocess on a free port; yield (process, base URL) once
-    /health answers. A process still running at the end gets SIGTERM (its graceful
+    /health answers. ``launcher`` replaces ``python -m fivefold`` (benchmarks/soak.py starts
+    the same CLI through a wrapper that can inject an engine fault). A process still running at the end gets SIGTERM (its graceful
     shutdown, which also stops the Ray it started), then SIGKILL if that takes over 60 s.
     With ``log_path`` its output goes to that file instead of pipes (a chatty process,
     such as one running Ray, would otherwise fill a pipe nobody reads and block)."""
@@ -23,7 +24,8 @@ def serve_process(*args: str, timeout: float = 120, log_path=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(log_path, "w") if log_path else None
-    proc = subprocess.Popen([sys.executable, "-m", "fivefold", "serve", "--port", str(port), *args],
+    launcher = launcher or [sys.executable, "-m", "fivefold"]
+    proc = subprocess.Popen([*launcher, "serve", "--port", str(port), *args],
                             stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log else subprocess.PIPE,
                             text=True)
     url = f"http://127.0.0.1:{port}"
