@@ -11,6 +11,10 @@ fusion candidate. The rules of ``verdict.py`` turn that into advice.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -205,12 +209,18 @@ def profile(
 
     from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
-    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    prof = torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
         start = time.perf_counter()
         for _ in range(num_iterations):
             with record_function(ITERATION_REGION):
                 fn()
         wall = (time.perf_counter() - start) / num_iterations
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(None, None, None)
     if trace_path:
         Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
@@ -218,6 +228,32 @@ def profile(
     report.trace_path = str(trace_path) if trace_path else None
     report.verdicts = verdicts(report)
     return report
+
+
+KINETO_MARKERS = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Run the profiler's start or stop with file descriptor 2 captured, then pass on what is
+    not kineto's own marker lines: it writes ``USDT:... profiler_start/stop`` to stderr from C++
+    (no environment variable silences them in torch 2.13), and they are noise in a user's terminal.
+    Only start and stop are captured, never the profiled code."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(KINETO_MARKERS)]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def _shapes_label(shapes) -> str:

@@ -89,3 +89,23 @@ def test_profile_of_the_engine_decode_and_prefill(tmp_path):
     assert any("scaled_dot_product" in o.name for o in prefill.ops)
     sdpa = [h for h in prefill.heavy_ops if "scaled_dot_product" in h.name]
     assert not sdpa or sdpa[0].shapes.startswith("1x4x48x16")
+
+
+def test_the_profilers_own_marker_lines_stay_off_the_terminal():
+    """kineto writes 'USDT:... profiler_start/stop' to file descriptor 2 from C++; a user of
+    ``fivefold profile`` must not see them, while the profiled code's own stderr still shows."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from fivefold.profile import profile\n"
+            "from fivefold.profile.roofline import MachinePeaks\n"
+            "def work():\n"
+            "    torch.ones(4) + 1\n"
+            "    print('from the profiled code', file=sys.stderr)\n"
+            "profile(work, num_iterations=1, peaks=MachinePeaks(bandwidth=20e9, flops={'float32': 100e9}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert "from the profiled code" in done.stderr
+    assert "USDT" not in output and "profiler_start" not in output, output
