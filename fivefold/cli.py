@@ -34,6 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sdpa: PyTorch's flash-attention kernel (default); tiled: fivefold.fuse.tiled_attention")
     p.add_argument("--hot-path", default="fused", choices=["fused", "eager"],
                    help="fused: add+RMSNorm, SiLU*up and RoPE as one C++ kernel each (default); eager: PyTorch ops")
+    p.add_argument("--decode-loop", default="cpp", choices=["cpp", "python"],
+                   help="cpp: a decode step's layer loop in one C++ call where the model allows (default); "
+                        "python: the modules' forward")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -251,7 +254,7 @@ def _engine_options(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
                 decode_attention=args.decode_attention, hot_path=args.hot_path,
-                prefill_attention=args.prefill_attention)
+                prefill_attention=args.prefill_attention, decode_loop=args.decode_loop)
 
 
 def _llm(args):

@@ -12,6 +12,7 @@ WEIGHT_LAYOUTS = ("packed", "dense")
 DECODE_ATTENTION_BACKENDS = ("kernel", "torch")
 HOT_PATHS = ("fused", "eager")
 PREFILL_ATTENTION_BACKENDS = ("sdpa", "tiled")
+DECODE_LOOPS = ("cpp", "python")
 
 
 def available_memory_bytes() -> int:
@@ -50,6 +51,10 @@ class EngineConfig:
     kernel (tiled, online softmax); "tiled" runs fivefold.fuse.tiled_attention, the same
     algorithm written in PyTorch ops. Neither holds the N x N scores. SDPA is the default
     because it measured faster at every length (benchmarks/tiled_attention.py).
+    decode_loop: "cpp" runs the decoder's layer loop of a decode-only step in one C++ call
+    (fivefold.models.native_decode: the same kernels, no Python between them), where the model
+    allows it (float32, fused hot path, kernel decode attention; the others keep the Python
+    loop); "python" always runs the modules' forward. Prefill steps run the Python loop either way.
     """
 
     block_size: int = 16
@@ -63,6 +68,7 @@ class EngineConfig:
     decode_attention: str = "kernel"
     hot_path: str = "fused"
     prefill_attention: str = "sdpa"
+    decode_loop: str = "cpp"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -87,6 +93,8 @@ class EngineConfig:
         if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
             raise FivefoldError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_BACKENDS)}, "
                                 f"got '{self.prefill_attention}'")
+        if self.decode_loop not in DECODE_LOOPS:
+            raise FivefoldError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got '{self.decode_loop}'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

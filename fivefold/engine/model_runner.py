@@ -15,6 +15,7 @@ from fivefold.errors import FivefoldError
 from fivefold.kernels import fused_ops, paged_attention_ops
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
+from fivefold.models.native_decode import NativeDecoder
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
@@ -34,6 +35,10 @@ class ModelRunner:
         self.use_tiled_prefill = config.prefill_attention == "tiled"
         if self.use_decode_kernel:
             paged_attention_ops()  # load (or build) the decode kernel now, not during the first request
+        # The C++ layer loop runs the fused kernels and the paged decode kernel: only with both on.
+        use_native = (config.decode_loop == "cpp" and config.hot_path == "fused" and self.use_decode_kernel
+                      and NativeDecoder.unsupported_reason(model) is None)
+        self.native_decoder = NativeDecoder(model) if use_native else None
         self.block_size = config.block_size
         c = model.config
         bytes_per_block = kv_bytes_per_token(model) * config.block_size
@@ -84,7 +89,10 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; return logits [num_sampling, vocab] and the sequences they belong to."""
         input_ids, positions, meta = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if self.native_decoder is not None and NativeDecoder.is_decode_only(meta):
+            hidden = self.native_decoder(input_ids, positions, meta, self.kv_caches)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows, sampling = [], []
         for i, (seq, num_new) in enumerate(scheduled):
             if seq.num_computed_tokens + num_new == seq.num_tokens:

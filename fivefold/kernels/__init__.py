@@ -14,9 +14,13 @@ compiler is available, or ``FIVEFOLD_DISABLE_KERNELS=1`` is set, callers fall ba
 their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
 
 - ``paged_attention.cpp``: decode attention reading keys and values in place from KV blocks;
-- ``int8_linear.cpp``: weight-only int8 linear (W8A16) for decode-sized batches, and the
-  exact int8 x int8 -> int32 matmul that W8A8 runs where the libraries' kernels saturate;
-- ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k).
+- ``linear_stream.cpp``: the weight-streaming linear of decode-sized batches (1-16 rows) for
+  float32, bfloat16 and int8 (W8A16) weights;
+- ``int8_linear.cpp``: the exact int8 x int8 -> int32 matmul that W8A8 runs where the libraries'
+  kernels saturate;
+- ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k);
+- ``decode_loop.cpp``: the decoder's layer loop of a decode step, calling the kernels above (and
+  oneDNN's GEMM) without a Python call between them.
 """
 
 from __future__ import annotations
@@ -81,7 +85,12 @@ def paged_attention_ops():
 
 def int8_ops():
     """``torch.ops.fivefold`` with ``int8_weight_linear`` and ``int8_int8_matmul``, or None if it cannot be built."""
-    return _load("int8_linear")
+    return _load("int8_linear") if stream_ops() is not None else None
+
+
+def stream_ops():
+    """``torch.ops.fivefold`` with ``stream_linear`` (and ``int8_weight_linear``), or None."""
+    return _load("linear_stream")
 
 
 def fused_ops():
@@ -89,8 +98,17 @@ def fused_ops():
     return _load("fused_ops")
 
 
+def decode_loop_ops():
+    """``torch.ops.fivefold`` with ``decode_layers``, or None; it calls the decode attention, streaming
+    linear and fused kernels through the dispatcher, so it is available only when they all are."""
+    if paged_attention_ops() is None or stream_ops() is None or fused_ops() is None:
+        return None
+    return _load("decode_loop")
+
+
 def kernel_status() -> str:
     parts = []
-    for name, loader in (("paged_attention", paged_attention_ops), ("int8_linear", int8_ops), ("fused_ops", fused_ops)):
-        parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_errors[name]})"))
+    for name, loader in (("paged_attention", paged_attention_ops), ("linear_stream", stream_ops),
+                         ("int8_linear", int8_ops), ("fused_ops", fused_ops), ("decode_loop", decode_loop_ops)):
+        parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_errors.get(name) or _errors.get('linear_stream')})"))
     return ", ".join(parts)

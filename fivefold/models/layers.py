@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.kernels import fused_ops
+from fivefold.kernels import fused_ops, stream_ops
 from fivefold.models.config import ModelConfig, rope_inv_freq
 
 
@@ -143,8 +143,24 @@ def row_pieces(rows: int) -> list[tuple[int, int]]:
     return pieces
 
 
+# Rows up to which a linear streams its row-major weight through fivefold::stream_linear
+# (fivefold/kernels/linear_stream.cpp) instead of oneDNN's packed GEMM: where the streaming kernel
+# measured faster with the weights coming from DRAM (benchmarks/linear_stream.py, both kinds of CPU).
+STREAM_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+
+
+def stream_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which weights of ``dtype`` take the streaming kernel (0: it is not built here)."""
+    return STREAM_MAX_ROWS.get(dtype, 0) if stream_ops() is not None else 0
+
+
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight oneDNN has re-laid-out ("packed") for its GEMM kernels.
+
+    Decode-sized inputs (up to :data:`STREAM_MAX_ROWS` rows) run the streaming kernel on the
+    row-major ``weight`` instead, which reads the weights at a higher share of the memory bandwidth
+    than oneDNN does for so few rows. So the layer holds its weight twice, row-major and packed:
+    the price of the fastest kernel at every batch size (for SmolLM2 in float32, +538 MB).
 
     Measured on this 2-core AVX-512 CPU (float32, benchmarks/decode_batch.py shows the
     end-to-end effect), against F.linear on the plain row-major weight:
@@ -152,8 +168,7 @@ class PackedLinear(nn.Module):
     LM head at 64 rows 18 ms vs 37 ms. Results equal F.linear up to float32 summation
     order (~1e-4 absolute on outputs of magnitude ~10).
 
-    ``state_dict`` still holds the plain ``weight``, unpacked on demand, so exporting
-    and comparing checkpoints work unchanged.
+    ``state_dict`` holds the plain ``weight``, so exporting and comparing checkpoints work unchanged.
     """
 
     BATCH_HINT = 64  # the row count oneDNN tunes the packing for; others run nearly as fast
@@ -161,8 +176,9 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().contiguous()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.weight = linear.weight.detach().contiguous()  # [out, in], for the streaming kernel
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.BATCH_HINT)
+        self.stream_max_rows = stream_max_rows(self.weight.dtype)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @staticmethod
@@ -182,12 +198,11 @@ class PackedLinear(nn.Module):
             return True
         return dtype == torch.bfloat16 and current_platform().can_pack_bf16
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.packed_weight.to_dense()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if rows <= self.stream_max_rows:
+            out = stream_ops().stream_linear(x.reshape(rows, self.in_features), self.weight, None, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
         if rows in _ROW_BUCKETS:
             return self._gemm(x)
         flat = x.reshape(rows, self.in_features)

@@ -16,7 +16,7 @@ CATEGORIES = ("matmul", "attention", "norm", "activation", "elementwise", "copy/
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_linear_pointwise", "_int_mm",
            "_weight_int8pack_mm", "addmv", "mv", "dot", "einsum", "conv1d", "conv2d", "convolution", "_convolution",
-           "mkldnn_convolution", "int8_weight_linear", "linear_dynamic", "qlinear_pointwise"}
+           "mkldnn_convolution", "int8_weight_linear", "stream_linear", "linear_dynamic", "qlinear_pointwise"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_attention_math", "paged_decode_attention", "tiled_attention", "softmax", "_softmax"}
 _NORM = {"rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
@@ -96,7 +96,7 @@ def op_cost(name: str, shapes: list[list[int]], elem_bytes: int) -> OpCost | Non
             a, b = (s[0], s[1]) if op == "bmm" else (s[1], s[2])
             (bt, m, k), n = a, b[2]
             return OpCost(2 * bt * m * n * k, elem_bytes * bt * (m * k + k * n + m * n))
-        if op in ("_linear_pointwise", "linear", "_weight_int8pack_mm", "int8_weight_linear"):
+        if op in ("_linear_pointwise", "linear", "_weight_int8pack_mm", "int8_weight_linear", "stream_linear"):
             x, w = s[0], s[1]
             k, m = x[-1], _numel(x[:-1])
             n = w[0] if w[1] == k else w[1]

@@ -33,7 +33,8 @@ _CHAIN_BREAKERS = ("matmul", "attention", "sampling")
 # Ops that do their own work even when they call helpers (an empty() for the output):
 # costed on their self time.
 _KERNELS = {"mm", "addmm", "bmm", "baddbmm", "_linear_pointwise", "_int_mm", "_weight_int8pack_mm",
-            "paged_decode_attention", "_scaled_dot_product_flash_attention_for_cpu", "int8_weight_linear"}
+            "paged_decode_attention", "_scaled_dot_product_flash_attention_for_cpu", "int8_weight_linear",
+            "stream_linear"}
 
 
 @dataclass(frozen=True)

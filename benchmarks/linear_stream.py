@@ -1,0 +1,160 @@
+"""Decode linears against the memory bandwidth: weights streamed from DRAM, not a hot loop.
+
+Builds every projection of the default model's decoder (30 layers of qkv, o, gate_up, down,
+then the LM head: SmolLM2-135M's shapes, random weights) in each weight dtype, and enough
+copies of them that the working set is at least twice the last-level cache; one "pass"
+multiplies M activation rows by every matrix in turn, as a decode step does, cycling through
+the copies so no matrix is in cache when its turn comes. GB/s = weight bytes / time per pass;
+the share is of the machine's copy bandwidth measured in the same run (a 256 MB copy,
+fivefold.profile.roofline.measure_bandwidth).
+
+Backends:
+  stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp): float32, bfloat16, int8 (W8A16)
+  onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
+  aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
+
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8]
+
+Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
+fivefold/models/layers.py) comes from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fivefold.bench.report import json_line  # noqa: E402
+from fivefold.kernels import stream_ops  # noqa: E402
+from fivefold.models.layers import PackedLinear  # noqa: E402
+from fivefold.platform import current_platform  # noqa: E402
+from fivefold.profile.roofline import measure_bandwidth  # noqa: E402
+
+HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * NUM_LAYERS + [
+    (VOCAB, HIDDEN)]
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache sysfs reports for cpu0 (what the working set must exceed)."""
+    best = 32 << 20
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in base.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        best = max(best, size)
+    return best
+
+
+def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
+    out = []
+    for _ in range(num_copies):
+        copy = []
+        for n, k in SHAPES:
+            if dtype == "int8":
+                copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
+                             torch.rand(n, generator=generator) / 100))
+            else:
+                copy.append((torch.randn(n, k, generator=generator).to(getattr(torch, dtype)), None))
+        out.append(copy)
+    return out
+
+
+def backends(dtype: str):
+    ops = stream_ops()
+    torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
+    found = {}
+    if ops is not None:
+        found["stream"] = (lambda w, s: (w, s), lambda x, p: ops.stream_linear(x, p[0], p[1], None))
+    if dtype != "int8" and PackedLinear.can_pack(torch_dtype):
+        found["onednn"] = (lambda w, s: PackedLinear(_linear(w)), lambda x, p: p._gemm(x))
+    if dtype != "int8":
+        found["aten"] = (lambda w, s: w, lambda x, p: F.linear(x, p))
+    return found
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+def time_pass(prepared, run, x_by_k, repeats: int) -> float:
+    """Seconds per pass over one copy of the model's matrices (best of ``repeats`` cycles)."""
+    best = float("inf")
+    with torch.inference_mode():
+        for copy in prepared:  # warm-up: one pass over every copy
+            for p, k in copy:
+                run(x_by_k[k], p)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for copy in prepared:
+                for p, k in copy:
+                    run(x_by_k[k], p)
+            best = min(best, (time.perf_counter() - start) / len(prepared))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--dtypes", default=None, help="default: float32, bfloat16 where oneDNN packs it, int8")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.progress import track
+    from rich.table import Table
+
+    plat = current_platform()
+    dtypes = args.dtypes.split(",") if args.dtypes else (
+        ["float32", "bfloat16", "int8"] if plat.can_pack_bf16 else ["float32", "int8"])
+    rows = [int(r) for r in args.rows.split(",")]
+    llc = last_level_cache_bytes()
+    bandwidth = measure_bandwidth()
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for dtype in dtypes:
+        itemsize = 1 if dtype == "int8" else getattr(torch, dtype).itemsize
+        model_bytes = sum(n * k for n, k in SHAPES) * itemsize
+        num_copies = max(1, -(-2 * llc // model_bytes))
+        weights = make_weights(dtype, num_copies, generator)
+        x_dtype = torch.float32 if dtype in ("float32", "int8") else torch.bfloat16
+        for name, (prepare, run) in track(list(backends(dtype).items()), description=f"{dtype}"):
+            prepared = [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights]
+            for m in rows:
+                x_by_k = {k: torch.randn(m, k).to(x_dtype) for k in (HIDDEN, INTERMEDIATE)}
+                seconds = time_pass(prepared, run, x_by_k, args.repeats)
+                results.append({"dtype": dtype, "backend": name, "rows": m, "ms_per_pass": round(seconds * 1e3, 3),
+                                "GB_s": round(model_bytes / seconds / 1e9, 2),
+                                "share_of_bandwidth": round(model_bytes / seconds / bandwidth, 3),
+                                "working_set_MB": round(num_copies * model_bytes / 1e6)})
+            del prepared
+        del weights
+
+    table = Table(title=f"decode linears streamed from DRAM: {len(SHAPES)} matrices per pass (SmolLM2-135M shapes), "
+                        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, last-level cache {llc >> 20} MiB, "
+                        f"{torch.get_num_threads()} threads, {plat.isa_level}")
+    for col in ("dtype", "backend", "rows", "ms / pass", "GB/s", "of bandwidth", "working set MB"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r["dtype"], r["backend"], str(r["rows"]), f"{r['ms_per_pass']:.2f}", f"{r['GB_s']:.1f}",
+                      f"{r['share_of_bandwidth']:.0%}", str(r["working_set_MB"]))
+    Console(width=150).print(table)
+    print(json_line({"benchmark": "linear_stream", "bandwidth_GB_s": round(bandwidth / 1e9, 2),
+                     "last_level_cache_MiB": llc >> 20, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Fivefold against its peers on one machine, in one run, on the same prompts.
+
+SmolLM2-135M (the built-in default), prompts of 128 tokens cut from pydoc_data's text, EOS
+ignored, greedy. Three workloads:
+
+  single    1 prompt, 64 new tokens: decode tokens/s (first to last new token, prefill excluded;
+            transformers: (t(64 tokens) - t(1 token)) / 63)
+  batch16   16 prompts, 64 new tokens each: new tokens / wall time of the whole batch
+  batch64   64 prompts, 128 new tokens each: the same
+
+Systems: fivefold in float32, bfloat16 (where this CPU computes bf16 natively), W8A16 and W8A8
+(dynamic per-token), all on the serving engine with its defaults; transformers (float32, in
+this process; batches padded on the left); vLLM (CPU build, float32) and llama.cpp (the built-in
+Q4_1 GGUF, single stream) when installed in their own virtual environments (``../shared/PEERS.md``,
+``~/peers/vllm`` and ``~/peers/llamacpp``, or ``--vllm-python`` / ``--llamacpp-python``), each run
+in its own process from a script written to a temporary directory. A peer that is not installed
+is skipped, and the table says so.
+
+Roofs, measured at the start of the run (fivefold.profile.roofline.measure_peaks, refreshed):
+the single stream's is the memory bandwidth over the weight bytes one token streams (each
+system's own: 4 bytes per parameter in float32, 2 in bf16, 1 for int8 linears, the GGUF's
+tensor bytes for llama.cpp); batch 64's is the GEMM peak of the system's arithmetic
+(float32, bf16; int8 for W8A8) over 2 FLOPs per parameter per token.
+
+    .venv/bin/python benchmarks/peers.py [--systems fivefold-float32,vllm-float32,...] [--quick]
+
+Prints the table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode import hf_decode_tok_s, ours_decode_tok_s  # noqa: E402
+
+from fivefold.bench.report import json_line  # noqa: E402
+from fivefold.data import corpus_ids, corpus_prompts  # noqa: E402
+from fivefold.models import load_model, resolve_model_path  # noqa: E402
+from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
+from fivefold.platform import current_platform  # noqa: E402
+from fivefold.profile.roofline import measure_peaks  # noqa: E402
+
+PROMPT_LEN = 128
+WORKLOADS = {"single": (1, 64), "batch16": (16, 64), "batch64": (64, 128)}
+FIVEFOLD = ("fivefold-float32", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8")
+PEERS = ("transformers-float32", "vllm-float32", "llamacpp-q4_1")
+
+
+def prompts_for(tokenizer, num: int) -> list[list[int]]:
+    return corpus_prompts(corpus_ids(tokenizer), num, PROMPT_LEN, seed=num)
+
+
+# --- fivefold -------------------------------------------------------------------------------------
+
+def load_fivefold(system: str):
+    """The loaded model of a fivefold system; its weight bytes per token; its arithmetic's dtype."""
+    from fivefold.quant.config import Int8Config
+    from fivefold.quant.evaluate import llm_forward
+    from fivefold.quant.quantize import quantize_
+
+    variant = system.removeprefix("fivefold-")
+    if variant in ("float32", "bfloat16"):
+        loaded = load_model(DEFAULT_LLM, variant)
+        return loaded, loaded.config.num_parameters() * loaded.model.dtype.itemsize, variant
+    loaded = load_model(DEFAULT_LLM)
+    quantize_(loaded.model, Int8Config(scheme=variant), None, llm_forward)
+    nbytes = sum(b.numel() * b.element_size() for name, b in loaded.model.named_buffers() if name.endswith(".weight"))
+    return loaded, nbytes, "int8" if variant == "w8a8" else "float32"
+
+
+def run_fivefold(system: str, workloads: list[str]) -> tuple[dict, int, str]:
+    from fivefold.llm import LLM
+    from fivefold.sampling_params import SamplingParams
+
+    loaded, nbytes, arithmetic = load_fivefold(system)
+    results = {}
+    for name in workloads:
+        num, new = WORKLOADS[name]
+        llm = LLM(loaded, max_num_seqs=max(num, 1), kv_cache_memory=float(512 << 20))
+        prompts = prompts_for(llm.tokenizer, num)
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        if name == "single":
+            ours_decode_tok_s(llm, prompts[0], 8)  # warm-up
+            results[name] = max(ours_decode_tok_s(llm, prompts[0], new) for _ in range(2))
+        else:
+            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            results[name] = sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds
+        del llm
+    return results, nbytes, arithmetic
+
+
+# --- transformers ---------------------------------------------------------------------------------
+
+def run_transformers(workloads: list[str]) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    from fivefold.models.loader import load_tokenizer
+
+    logging.set_verbosity_error()
+    path = resolve_model_path(DEFAULT_LLM)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer, _ = load_tokenizer(DEFAULT_LLM)
+    results = {}
+    for name in workloads:
+        num, new = WORKLOADS[name]
+        if name == "batch64":
+            continue  # padded generate of 64 x 128 tokens takes minutes and says nothing batch16 does not
+        prompts = prompts_for(tokenizer, num)
+        if name == "single":
+            hf_decode_tok_s(model, prompts[0], 4)
+            results[name] = hf_decode_tok_s(model, prompts[0], new)
+            continue
+        ids = torch.tensor(prompts)  # every prompt has PROMPT_LEN tokens: no padding needed
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=2)
+        results[name] = (out.shape[1] - PROMPT_LEN) * num / (time.perf_counter() - start)
+    return results
+
+
+# --- peers in their own virtual environments ------------------------------------------------------
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=1024, max_num_seqs=64, seed=0)
+    results = {}
+    for name, (prompts, new) in spec["workloads"].items():
+        params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        if name == "single":
+            # decode only: time(new tokens) - time(1 token), as for transformers
+            t0 = time.perf_counter(); llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            t1 = time.perf_counter(); llm.generate(inputs, params, use_tqdm=False); t2 = time.perf_counter()
+            results[name] = (new - 1) / ((t2 - t1) - (t1 - t0))
+        else:
+            start = time.perf_counter(); outs = llm.generate(inputs, params, use_tqdm=False)
+            results[name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    print("RESULT " + json.dumps(results), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+LLAMACPP_SCRIPT = r'''
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+spec = json.load(open(sys.argv[1]))
+llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_ctx=2048, verbose=False)
+eos = llm.token_eos()
+def no_eos(ids, logits):
+    logits[eos] = -np.inf
+    return logits
+prompt, new = spec["workloads"]["single"]
+def run(n):
+    llm.reset()
+    stamps = []
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, logits_processor=[no_eos], reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == n:
+            break
+    return stamps
+run(8)
+stamps = run(new)
+print("RESULT " + json.dumps({"single": (new - 1) / (stamps[-1] - stamps[0])}), flush=True)
+'''
+
+
+def run_in_venv(python: Path, script: str, spec: dict, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "run.py").write_text(script)
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run([str(python), str(Path(tmp) / "run.py"), str(Path(tmp) / "spec.json")], cwd=tmp,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    raise RuntimeError(f"exit code {proc.returncode}: {' | '.join(tail)}")
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    from fivefold.models.gguf_file import open_gguf
+
+    return sum(int(t.n_bytes) for t in open_gguf(path).tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default=",".join(FIVEFOLD + PEERS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
+    ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
+    ap.add_argument("--quick", action="store_true", help="batch64 with 32 new tokens instead of 128")
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    if args.quick:
+        WORKLOADS["batch64"] = (64, 32)
+    plat = current_platform()
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if "fivefold-bfloat16" in systems and not plat.has_bf16_compute:
+        systems.remove("fivefold-bfloat16")
+        console.print("fivefold-bfloat16 skipped: this CPU has no native bf16 arithmetic (it would be emulated)")
+    peaks = measure_peaks(refresh=True, dtypes=("float32", "bfloat16", "int8"))
+    loaded = load_model(DEFAULT_LLM)
+    num_params = loaded.config.num_parameters()
+    tokenizer = loaded.tokenizer
+    del loaded
+    rows, skipped = [], {}
+    for system in systems:
+        console.print(f"[bold]{system}[/bold] ...")
+        try:
+            if system.startswith("fivefold-"):
+                tok_s, nbytes, arithmetic = run_fivefold(system, workloads)
+            elif system == "transformers-float32":
+                tok_s, nbytes, arithmetic = run_transformers(workloads), num_params * 4, "float32"
+            elif system == "vllm-float32":
+                python = Path(args.vllm_python)
+                if not python.exists():
+                    raise FileNotFoundError(f"not installed ({python} missing; see ../shared/PEERS.md)")
+                from fivefold.models.loader import export_hf_directory
+
+                with tempfile.TemporaryDirectory() as model_dir:
+                    export_hf_directory(load_model(DEFAULT_LLM), model_dir)
+                    spec = {"model": model_dir, "workloads": {w: (prompts_for(tokenizer, WORKLOADS[w][0]),
+                                                                  WORKLOADS[w][1]) for w in workloads}}
+                    tok_s = run_in_venv(python, VLLM_SCRIPT, spec, timeout=1800)
+                nbytes, arithmetic = num_params * 4, "float32"
+            elif system == "llamacpp-q4_1":
+                python = Path(args.llamacpp_python)
+                if not python.exists():
+                    raise FileNotFoundError(f"not installed ({python} missing; see ../shared/PEERS.md)")
+                if "single" not in workloads:
+                    raise ValueError("runs the single-stream workload only")
+                gguf = resolve_model_path(DEFAULT_LLM)
+                spec = {"gguf": str(gguf), "threads": torch.get_num_threads(),
+                        "workloads": {"single": (prompts_for(tokenizer, 1)[0], WORKLOADS["single"][1])}}
+                tok_s = run_in_venv(python, LLAMACPP_SCRIPT, spec, timeout=600)
+                nbytes, arithmetic = gguf_tensor_bytes(gguf), "int8"
+            else:
+                raise ValueError(f"unknown system (choose from {', '.join(FIVEFOLD + PEERS)})")
+        except Exception as exc:  # a peer that is missing or fails is reported, not fatal
+            skipped[system] = f"{type(exc).__name__}: {exc}"
+            console.print(f"  skipped: {skipped[system]}")
+            continue
+        bandwidth_roof = peaks.bandwidth / nbytes
+        compute_roof = peaks.peak_flops(arithmetic) / (2 * num_params)
+        rows.append({"system": system, "weight_MB_per_token": round(nbytes / 1e6, 1), "arithmetic": arithmetic,
+                     **{f"{w}_tok_s": round(v, 2) for w, v in tok_s.items()},
+                     "single_share_of_bandwidth_roof": round(tok_s["single"] / bandwidth_roof, 3) if "single" in tok_s else None,
+                     "batch64_share_of_compute_roof": round(tok_s["batch64"] / compute_roof, 3) if "batch64" in tok_s else None})
+
+    base = next((r for r in rows if r["system"] == "fivefold-float32"), None)
+    table = Table(title=f"SmolLM2-135M, {PROMPT_LEN}-token pydoc prompts, EOS ignored; {plat.isa_level}, "
+                        f"{torch.get_num_threads()} threads; bandwidth {peaks.bandwidth / 1e9:.1f} GB/s, float32 "
+                        f"{peaks.peak_flops('float32') / 1e9:.0f} GFLOP/s, bf16 {peaks.peak_flops('bfloat16') / 1e9:.0f}, "
+                        f"int8 {peaks.peak_flops('int8') / 1e9:.0f} GOP/s")
+    for col in ("system", "weights MB/token", "single tok/s", "of bandwidth roof", "batch16 tok/s",
+                f"batch64 tok/s ({WORKLOADS['batch64'][1]} out)", "of compute roof", "ratio to fivefold f32 (single / b16 / b64)"):
+        table.add_column(col, justify="right")
+
+    def cell(r, key, fmt="{:.1f}"):
+        return fmt.format(r[key]) if r.get(key) is not None else "-"
+
+    for r in rows:
+        ratios = [f"{r[k] / base[k]:.2f}x" if base and r.get(k) and base.get(k) else "-"
+                  for k in ("single_tok_s", "batch16_tok_s", "batch64_tok_s")]
+        table.add_row(r["system"], f"{r['weight_MB_per_token']:.0f}", cell(r, "single_tok_s"),
+                      cell(r, "single_share_of_bandwidth_roof", "{:.0%}"), cell(r, "batch16_tok_s"),
+                      cell(r, "batch64_tok_s"), cell(r, "batch64_share_of_compute_roof", "{:.0%}"), " / ".join(ratios))
+    for system, why in skipped.items():
+        table.add_row(system, "skipped", why[:60], "", "", "", "", "")
+    console.print(table)
+    print(json_line({"benchmark": "peers", "machine": plat.isa_level, "bandwidth_GB_s": round(peaks.bandwidth / 1e9, 2),
+                     "peak_GFLOP_s": {k: round(v / 1e9, 1) for k, v in peaks.flops.items()},
+                     "workloads": {k: {"prompts": n, "new_tokens": t} for k, (n, t) in WORKLOADS.items()},
+                     "results": rows, "skipped": skipped}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""A decode step's layer loop run in C++ (``fivefold::decode_layers``, fivefold/kernels/decode_loop.cpp).
+
+A decode step computes one token per sequence, so its kernels are small and, at batch 1, the
+Python between them (module calls, views, the KV write's index_put) costs a fifth of the step.
+:class:`NativeDecoder` hands the whole layer loop to one C++ call that runs the same kernels
+(fused add + RMSNorm, the streaming or packed linears, fused RoPE, paged decode attention,
+SiLU * up) back to back. The embedding lookup, the RoPE table lookup and the LM head stay in
+Python: one call each per step.
+
+It serves float32 Llama-family models whose projections are ``nn.Linear``, ``PackedLinear`` or
+W8A16 ``Int8Linear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
+the C++ loop: such models keep the Python loop, :meth:`NativeDecoder.unsupported_reason` says
+why). Steps with any prefill token also keep the Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.kernels import decode_loop_ops
+from fivefold.models.attention import AttentionMetadata
+from fivefold.models.layers import PackedLinear, stream_max_rows
+from fivefold.models.llama import LlamaForCausalLM
+
+_NONE = torch.empty(0)  # "no tensor" in the C++ op's tensor lists
+
+
+def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
+    """(row-major weight, per-channel scale, bias, oneDNN-packed weight), or why it cannot run."""
+    from fivefold.quant.linear import Int8Linear
+
+    bias = getattr(linear, "bias", None)
+    bias = _NONE if bias is None else bias.detach()
+    if isinstance(linear, PackedLinear):
+        return [linear.weight, _NONE, bias, linear.packed_weight]
+    if type(linear) is nn.Linear:
+        return [linear.weight.detach(), _NONE, bias, _NONE]
+    if isinstance(linear, Int8Linear):
+        if linear.scheme != "w8a16":
+            return f"{linear.scheme} quantizes activations"
+        if linear.is_clipped:
+            return "clipped activations"
+        return [linear.weight, linear.weight_scale, bias, _NONE]
+    return f"{type(linear).__name__} projections"
+
+
+class NativeDecoder:
+    """Runs :meth:`LlamaForCausalLM.forward` for a decode-only step in one C++ call."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        reason = self.unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the C++ decode loop cannot run this model: {reason}")
+        self.model = model
+        self.ops = decode_loop_ops()
+        tensors: list[torch.Tensor] = []
+        for layer in model.layers:
+            tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                tensors += _linear_tensors(linear)
+        self.layer_tensors = tensors
+        c = model.config
+        self.shape_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
+                           stream_max_rows(torch.float32))
+
+    @staticmethod
+    def unsupported_reason(model: nn.Module) -> str | None:
+        """None when the C++ loop can run ``model``, else what stands in the way."""
+        if decode_loop_ops() is None:
+            return "the decode_loop kernel is not built (fivefold.kernels.kernel_status())"
+        if not isinstance(model, LlamaForCausalLM):
+            return f"{type(model).__name__} is not a Llama-family decoder"
+        if model.dtype != torch.float32:
+            return f"{model.dtype} activations (the fused kernels are float32)"
+        if model.config.has_qk_norm:
+            return "per-head q/k RMSNorm (Qwen3)"
+        for layer in model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                found = _linear_tensors(linear)
+                if isinstance(found, str):
+                    return found
+        return None
+
+    @staticmethod
+    def is_decode_only(meta: AttentionMetadata) -> bool:
+        """Every sequence of the step adds one token to a context it already has in the cache."""
+        plan = meta.decode_plan()
+        return plan is not None and len(plan.rows) == meta.num_seqs
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states [B, hidden] of a decode-only step (see :meth:`is_decode_only`)."""
+        hidden = self.model.embed_tokens(input_ids)  # [B, hidden]
+        cos, sin = self.model.rotary.lookup(positions, hidden.dtype)  # [B, 1, D/2]
+        plan = meta.decode_plan()
+        blocks, offsets = meta.slot_blocks_and_offsets()
+        return self.ops.decode_layers(hidden, cos, sin, self.layer_tensors, kv_caches, self.model.norm.weight,
+                                      plan.tables, plan.seq_lens, blocks, offsets, *self.shape_args)

@@ -1,0 +1,60 @@
+"""fivefold::stream_linear, the decode linear: against a float64 reference for every weight dtype,
+row count (the row groups and their remainder) and ragged shapes (K not a multiple of the vector
+width, N not a multiple of the channel tile)."""
+
+import pytest
+import torch
+
+from fivefold.kernels import stream_ops
+from fivefold.models.layers import PackedLinear, linear_from
+
+
+def _weights(dtype, n, k, gen):
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen) / 50
+    return torch.randn(n, k, generator=gen).to(dtype), None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 19])
+@pytest.mark.parametrize("n,k", [(64, 576), (37, 100), (5, 16), (130, 33)])
+def test_stream_linear_matches_float64(dtype, rows, n, k):
+    ops = stream_ops()
+    assert ops is not None, "the streaming kernel must build here"
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, scale = _weights(dtype, n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    y = ops.stream_linear(x, w, scale, bias)
+    ref = x.double() @ w.double().t()
+    if scale is not None:
+        ref = ref * scale.double()
+    ref = ref + bias.double()
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
+
+
+def test_stream_linear_keeps_bf16_activations_and_refuses_bad_input():
+    ops = stream_ops()
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    y = ops.stream_linear(x, w, None, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.stream_linear(torch.randn(2, 31), w, None, None)
+    with pytest.raises(RuntimeError, match="weights must be float32, bfloat16 or int8"):
+        ops.stream_linear(torch.randn(2, 32), torch.randn(8, 32).half(), None, None)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 64])
+def test_packed_linear_streams_small_batches_and_packs_large_ones(rows):
+    """Both of PackedLinear's kernels (streaming up to STREAM_MAX_ROWS rows, oneDNN above) give
+    F.linear's result; its state dict is the plain weight."""
+    gen = torch.Generator().manual_seed(rows)
+    dense = linear_from(torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen))
+    packed = PackedLinear(dense)
+    x = torch.randn(rows, 80, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), dense(x), rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed.state_dict()["weight"], dense.weight.detach())
