@@ -20,7 +20,7 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_linear_pointwi
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_attention_math", "paged_decode_attention", "tiled_attention", "softmax", "_softmax"}
 _NORM = {"rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
-         "_batch_norm_impl_index", "group_norm", "native_group_norm", "fused_add_rms_norm"}
+         "_batch_norm_impl_index", "group_norm", "native_group_norm", "fused_add_rms_norm", "fused_add_rms_norm_"}
 _ACTIVATION = {"silu", "silu_", "gelu", "gelu_", "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_",
                "hardswish", "leaky_relu", "elu", "softplus", "mish", "silu_and_mul"}
 _COPY = {"copy_", "clone", "contiguous", "cat", "stack", "index", "index_select", "index_put_", "_index_put_impl_",
@@ -31,6 +31,7 @@ _FRAMEWORK = {"view", "reshape", "_unsafe_view", "_reshape_alias", "as_strided",
               "detach", "detach_", "alias", "resolve_conj", "resolve_neg", "result_type", "empty", "empty_like",
               "empty_strided", "lift_fresh", "item", "_local_scalar_dense", "is_nonzero", "size", "stride", "flatten",
               "unflatten", "view_as", "expand_as", "numpy_T", "set_", "lift_fresh_copy", "scalar_tensor", "tensor"}
+_FUSED_ELEMENTWISE = {"rotary_qk_"}  # our fused kernels of pointwise maths
 _SAMPLING = {"argmax", "topk", "sort", "multinomial", "exponential_"}
 SAMPLING_REGION = "fivefold::sampling"
 
@@ -48,7 +49,7 @@ def category_of_name(name: str) -> str | None:
                             ("sampling", _SAMPLING)):
         if op in names:
             return category
-    if name.startswith("aten::"):
+    if name.startswith("aten::") or op in _FUSED_ELEMENTWISE:
         return "elementwise"  # the remaining aten ops are pointwise maths and reductions
     return None
 

@@ -92,9 +92,16 @@ class ProfileReport:
     def category_share(self, category: str) -> float:
         return self.category_s.get(category, 0.0) / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def outside_matmul_s(self) -> float:
+        """Per iteration, the time outside the matmul kernels (the weight-streaming linears at
+        decode): what a decode step spends on everything but streaming its weights."""
+        return max(0.0, self.unprofiled_wall_s - self.category_s.get("matmul", 0.0))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["category_share"] = {c: self.category_share(c) for c in CATEGORIES}
+        d["outside_matmul_s"] = self.outside_matmul_s
         return d
 
     def render(self, console=None, num_ops: int = 15, compact: bool = False) -> None:
@@ -108,7 +115,8 @@ class ProfileReport:
         console.print(f"[bold]{self.label}[/bold]: {self.wall_s * 1e3:.2f} ms per iteration under the profiler "
                       f"({self.unprofiled_wall_s * 1e3:.2f} ms without), {self.num_iterations} iterations; machine: "
                       f"{p.bandwidth / 1e9:.1f} GB/s, {p.peak_flops(self.dtype) / 1e9:.1f} GFLOP/s {self.dtype}, "
-                      f"ridge {p.ridge(self.dtype):.1f} FLOP/B")
+                      f"ridge {p.ridge(self.dtype):.1f} FLOP/B; outside the matmul kernels "
+                      f"{self.outside_matmul_s * 1e3:.2f} ms per iteration")
         cats = Table(title="time by category")
         for col in ("category", "ms / iteration", "share"):
             cats.add_column(col, justify="right" if col != "category" else "left")
