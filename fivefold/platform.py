@@ -196,15 +196,23 @@ def kernel_choices() -> list[tuple[str, str]]:
     ``fivefold env`` prints. Builds (or loads) our C++ extensions to know whether they run."""
     import torch
 
-    from fivefold.kernels import build_dir_name, fused_ops, int8_ops, paged_attention_ops
-    from fivefold.models.layers import PackedLinear
+    from fivefold.kernels import build_dir_name, decode_loop_ops, fused_ops, int8_ops, paged_attention_ops
+    from fivefold.models.layers import PackedLinear, stream_max_rows
     from fivefold.quant.kernels import LIBRARY_KERNELS, w8a8_kernel
 
     p = current_platform()
-    rows = [("float32 linear", "oneDNN packed (mkldnn._linear_pointwise)" if PackedLinear.can_pack(torch.float32)
-             else "F.linear"),
+    def streamed(dtype) -> str:
+        n = stream_max_rows(dtype)
+        return f"; fivefold::stream_linear up to {n} rows" if n else ""
+
+    rows = [("float32 linear", ("oneDNN packed (mkldnn._linear_pointwise)" if PackedLinear.can_pack(torch.float32)
+                                else "F.linear") + streamed(torch.float32)),
             ("bfloat16 linear", "oneDNN packed bf16" if PackedLinear.can_pack(torch.bfloat16)
-             else "dense F.linear (no oneDNN bf16 here)" + ("" if p.has_bf16_compute else "; slower than float32"))]
+             else "dense F.linear (no oneDNN bf16 here)" + ("" if p.has_bf16_compute else "; slower than float32")),
+            ("decode step", "layer loop in C++ (fivefold::decode_layers)" if decode_loop_ops() is not None
+             else "Python layer loop (decode_loop kernel unavailable)")]
+    if PackedLinear.can_pack(torch.bfloat16) and stream_max_rows(torch.bfloat16):
+        rows[1] = ("bfloat16 linear", "oneDNN packed bf16" + streamed(torch.bfloat16))
     rows.append(("W8A16 linear", "fivefold::int8_weight_linear up to 64 rows, dequantized tiles above"
                  if int8_ops() is not None else "dequantized tiles (C++ kernel unavailable)"))
     for mode in LIBRARY_KERNELS:
