@@ -35,10 +35,17 @@ _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
 
 
+# Kernels that call others (through the dispatcher) and are not loaded without them.
+_DEPENDS_ON = {"int8_linear": ("linear_stream",), "decode_loop": ("paged_attention", "linear_stream", "fused_ops")}
+
+
 def _load(name: str) -> object | None:
-    """Build (or load) ``<name>.cpp``; return ``torch.ops.fivefold`` or None if it cannot be built."""
+    """Build (or load) ``<name>.cpp`` after the kernels it depends on; return ``torch.ops.fivefold``
+    or None if it, or one of them, cannot be built."""
     if name in _loaded or name in _errors:
         return _loaded.get(name)
+    if any(_load(dep) is None for dep in _DEPENDS_ON.get(name, ())):
+        return None
     if os.environ.get("FIVEFOLD_DISABLE_KERNELS") == "1":
         _errors[name] = "disabled by FIVEFOLD_DISABLE_KERNELS=1"
         return None
@@ -85,7 +92,7 @@ def paged_attention_ops():
 
 def int8_ops():
     """``torch.ops.fivefold`` with ``int8_weight_linear`` and ``int8_int8_matmul``, or None if it cannot be built."""
-    return _load("int8_linear") if stream_ops() is not None else None
+    return _load("int8_linear")
 
 
 def stream_ops():
@@ -101,14 +108,19 @@ def fused_ops():
 def decode_loop_ops():
     """``torch.ops.fivefold`` with ``decode_layers``, or None; it calls the decode attention, streaming
     linear and fused kernels through the dispatcher, so it is available only when they all are."""
-    if paged_attention_ops() is None or stream_ops() is None or fused_ops() is None:
-        return None
     return _load("decode_loop")
+
+
+def _why_unavailable(name: str) -> str:
+    if name in _errors:
+        return _errors[name]
+    missing = [d for d in _DEPENDS_ON.get(name, ()) if d in _errors]
+    return f"needs {', '.join(missing)}: {_errors[missing[0]]}" if missing else "not loaded"
 
 
 def kernel_status() -> str:
     parts = []
     for name, loader in (("paged_attention", paged_attention_ops), ("linear_stream", stream_ops),
                          ("int8_linear", int8_ops), ("fused_ops", fused_ops), ("decode_loop", decode_loop_ops)):
-        parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_errors.get(name) or _errors.get('linear_stream')})"))
+        parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_why_unavailable(name)})"))
     return ", ".join(parts)
