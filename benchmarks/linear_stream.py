@@ -9,7 +9,8 @@ the share is of the machine's copy bandwidth measured in the same run (a 256 MB 
 fivefold.profile.roofline.measure_bandwidth).
 
 Backends:
-  stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp): float32, bfloat16, int8 (W8A16)
+  stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp) on stream_pack's tile-major
+           layout: float32, bfloat16, int8 (W8A16)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
@@ -76,7 +77,7 @@ def backends(dtype: str):
     torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     found = {}
     if ops is not None:
-        found["stream"] = (lambda w, s: (w, s), lambda x, p: ops.stream_linear(x, p[0], p[1], None))
+        found["stream"] = (lambda w, s: (ops.stream_pack(w), s), lambda x, p: ops.stream_linear(x, p[0], p[1], None))
     if dtype != "int8" and PackedLinear.can_pack(torch_dtype):
         found["onednn"] = (lambda w, s: PackedLinear(_linear(w)), lambda x, p: p._gemm(x))
     if dtype != "int8":
@@ -90,19 +91,24 @@ def _linear(w: torch.Tensor) -> torch.nn.Linear:
     return layer
 
 
-def time_pass(prepared, run, x_by_k, repeats: int) -> float:
-    """Seconds per pass over one copy of the model's matrices (best of ``repeats`` cycles)."""
-    best = float("inf")
+def time_passes(prepared_by_backend: dict, x_by_k: dict, repeats: int) -> dict:
+    """Seconds per pass over one copy of the model's matrices, per backend (best of ``repeats``).
+
+    The backends take turns within each repeat, so that the VM's drifting bandwidth (23-32 GB/s
+    from one minute to the next here) shifts every backend alike instead of favouring one."""
+    best = {name: float("inf") for name in prepared_by_backend}
     with torch.inference_mode():
-        for copy in prepared:  # warm-up: one pass over every copy
-            for p, k in copy:
-                run(x_by_k[k], p)
-        for _ in range(repeats):
-            start = time.perf_counter()
+        for name, (run, prepared) in prepared_by_backend.items():  # warm-up: one pass over every copy
             for copy in prepared:
                 for p, k in copy:
                     run(x_by_k[k], p)
-            best = min(best, (time.perf_counter() - start) / len(prepared))
+        for _ in range(repeats):
+            for name, (run, prepared) in prepared_by_backend.items():
+                start = time.perf_counter()
+                for copy in prepared:
+                    for p, k in copy:
+                        run(x_by_k[k], p)
+                best[name] = min(best[name], (time.perf_counter() - start) / len(prepared))
     return best
 
 
@@ -110,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8,16")
     ap.add_argument("--dtypes", default=None, help="default: float32, bfloat16 where oneDNN packs it, int8")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
     from rich.console import Console
@@ -131,16 +137,16 @@ def main() -> None:
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
         x_dtype = torch.float32 if dtype in ("float32", "int8") else torch.bfloat16
-        for name, (prepare, run) in track(list(backends(dtype).items()), description=f"{dtype}"):
-            prepared = [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights]
-            for m in rows:
-                x_by_k = {k: torch.randn(m, k).to(x_dtype) for k in (HIDDEN, INTERMEDIATE)}
-                seconds = time_pass(prepared, run, x_by_k, args.repeats)
+        prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
+                               for name, (prepare, run) in backends(dtype).items()}
+        for m in track(rows, description=f"{dtype}"):
+            x_by_k = {k: torch.randn(m, k).to(x_dtype) for k in (HIDDEN, INTERMEDIATE)}
+            for name, seconds in time_passes(prepared_by_backend, x_by_k, args.repeats).items():
                 results.append({"dtype": dtype, "backend": name, "rows": m, "ms_per_pass": round(seconds * 1e3, 3),
                                 "GB_s": round(model_bytes / seconds / 1e9, 2),
                                 "share_of_bandwidth": round(model_bytes / seconds / bandwidth, 3),
                                 "working_set_MB": round(num_copies * model_bytes / 1e6)})
-            del prepared
+        del prepared_by_backend
         del weights
 
     table = Table(title=f"decode linears streamed from DRAM: {len(SHAPES)} matrices per pass (SmolLM2-135M shapes), "

@@ -77,7 +77,8 @@ import torch
 from fivefold.kernels import fused_ops, int8_ops, paged_attention_ops
 from fivefold.platform import openmp_runtimes
 assert int8_ops() is not None and fused_ops() is not None and paged_attention_ops() is not None
-torch.ops.fivefold.int8_weight_linear(torch.randn(64, 2048), torch.ones(64, 2048, dtype=torch.int8), torch.ones(64), None)
+ops = torch.ops.fivefold
+ops.int8_weight_linear(torch.randn(64, 2048), ops.stream_pack(torch.ones(64, 2048, dtype=torch.int8)), torch.ones(64), None)
 torch.randn(256, 256) @ torch.randn(256, 256)
 print(*openmp_runtimes(), sep="\\n")
 """

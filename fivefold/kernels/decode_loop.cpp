@@ -17,11 +17,11 @@
 //   x = linear(silu_and_mul(linear(x, gate_up_proj)), down_proj)
 // and the final norm. The first layer's residual starts at zero, so its add is exact.
 //
-// A linear is four tensors (an empty tensor stands for "none"): a row-major weight [N, K]
-// (float32, bfloat16 or int8), a per-channel scale (int8 weights), a bias, and oneDNN's packed
-// weight. Up to `stream_max_rows` rows (and for int8 weights always) it runs
-// fivefold::stream_linear on the row-major weight; above, oneDNN's packed GEMM, or at::linear
-// when the layer has no packed weight.
+// A linear is four tensors (an empty tensor stands for "none"): the weight in
+// fivefold::stream_pack's layout (float32, bfloat16 or int8), a per-channel scale (int8 weights),
+// a bias, and the weight for larger batches: oneDNN's packed weight, or the row-major one. Up to
+// `stream_max_rows` rows (and for int8 weights always) it runs fivefold::stream_linear; above,
+// oneDNN's packed GEMM, or at::linear on the row-major weight.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -64,16 +64,16 @@ const Ops& ops() {
 }
 
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, int64_t stream_max_rows) {
-  const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &packed = t[base + 3];
+  const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
   if (w.scalar_type() == torch::kInt8) return call(ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
   if (x.size(0) <= stream_max_rows) {
     return call(ops().stream, {x, w, maybe(scale), maybe(bias)})[0].toTensor();
   }
-  if (packed.numel() > 0) {
-    return call(ops().packed, {x, packed, maybe(bias), std::string("none"),
+  if (large.is_mkldnn()) {
+    return call(ops().packed, {x, large, maybe(bias), std::string("none"),
                                c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())), std::string("")})[0].toTensor();
   }
-  return bias.numel() > 0 ? at::linear(x, w, bias) : at::linear(x, w);
+  return bias.numel() > 0 ? at::linear(x, large, bias) : at::linear(x, large);
 }
 
 void add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight, double eps) {

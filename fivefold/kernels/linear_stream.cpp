@@ -1,18 +1,26 @@
 // Weight-streaming linear for decode: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n]
-// for a few activation rows (M = 1..16) and row-major weights of float32, bfloat16 or int8.
+// for a few activation rows (M = 1..16) and weights of float32, bfloat16 or int8.
 //
 // At decode, every weight is read once per step and multiplied by a handful of rows, so the
 // time is the time to stream the weights from DRAM. The kernel is built for that:
-// - each thread takes a contiguous range of output channels (a static split: both cores stream
-//   their own half of the matrix, sequentially, which the hardware prefetcher follows);
+// - the weights are stored in the kernel's own layout (stream_pack): tiles of C = 4 output
+//   channels, and inside a tile, for each step of W columns (one vector: 16 floats with AVX-512,
+//   8 with AVX2), the C channels' W weights side by side. A tile is then one contiguous run read
+//   front to back, and so is each thread's range of tiles: one sequential stream per core. Read
+//   row-major, a tile is C interleaved streams one row long (576 bytes for an int8 row of
+//   SmolLM2), which the prefetchers follow badly: int8 weights streamed at ~50% of the copy
+//   bandwidth row-major and ~85-90% in this layout (benchmarks/linear_stream.py);
+// - each thread takes a contiguous range of tiles (a static split);
 // - a tile of C channels x R rows keeps C * R vector accumulators in registers; each weight
-//   vector loaded (and widened from bf16 or int8 to float in registers) feeds R FMAs, and the
-//   C weight rows of a tile stay in L1 while later row groups of the same tile reuse them, so
-//   every weight byte comes from memory once per call whatever M is;
+//   vector loaded (and widened from bf16 or int8 to float in registers) feeds R FMAs, and a
+//   tile's weights stay in L1 while later row groups reuse them, so every weight byte comes
+//   from memory once per call whatever M is;
 // - bf16 is widened by a 16-bit shift and int8 by a sign extension: plain AVX2/AVX-512F, no
 //   bf16 or VNNI instructions needed, so one source serves Zen 3 and Zen 4.
 // The ISA is the one the extension is compiled for (-march of fivefold.platform: native, or
-// x86-64-v3 when AVX2 is forced): AVX-512 (16 floats per vector), AVX2 (8), or plain C++.
+// x86-64-v3 when AVX2 is forced): AVX-512 (16 floats per vector), AVX2 (8), or plain C++. The
+// layout depends on W, so a packed weight belongs to the build that packed it (the build
+// directory is per -march, and stream_linear checks W).
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -83,10 +91,23 @@ inline Vec xload(const float* p) {
 #endif
 }
 
-// Software prefetch of the weights kAhead tiles ahead (the thread's channels are one contiguous
-// range, so that is where it reads next). The hardware prefetcher alone kept int8 and bf16
-// weights, which take less compute per byte than float32, at 40-60% of the bandwidth.
-constexpr int64_t kAhead = 2;
+// The last, partial column step: the first `n` (< kWidth) floats, zeros after (the packed
+// weights are zero there too, and x's row may end at the end of its allocation).
+inline Vec xload_partial(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+#elif defined(__AVX2__)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+#else
+  return n > 0 ? *p : 0.f;
+#endif
+}
+
+// Software prefetch kAheadBytes ahead in the thread's stream (one sequential run, so that is
+// where it reads next). 1-16 KB measured alike; without it, int8 and bf16 weights (less compute
+// per byte than float32) ran a few % slower.
+constexpr int64_t kAheadBytes = 4096;
 
 struct Epilogue {
   const float* scale;  // [N] or null
@@ -94,62 +115,109 @@ struct Epilogue {
   float apply(float s, int64_t n) const { return (scale ? s * scale[n] : s) + (bias ? bias[n] : 0.f); }
 };
 
-// R activation rows x C output channels starting at channel n.
+// R activation rows x C output channels starting at channel n, whose tile starts at wt and holds,
+// for each of the Kp / kWidth column steps, C vectors of kWidth weights.
 template <typename T, int R, int C>
-inline void tile(const float* x, int64_t K, const T* w, int64_t n, float* y, int64_t N, const Epilogue& e) {
+inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Epilogue& e) {
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
-  const T* wn = w + n * K;
-  int64_t k = 0;
-  for (; k + kWidth <= K; k += kWidth) {
-    Vec wv[C];
-    for (int c = 0; c < C; ++c) {
+  constexpr int64_t kStep = C * kWidth;  // weights per column step
+  const int64_t num_full = K / kWidth;
+  const T* p = wt;
+  for (int64_t s = 0; s < num_full; ++s, p += kStep) {
 #if defined(__AVX2__)
-      _mm_prefetch(reinterpret_cast<const char*>(wn + (c + kAhead * C) * K + k), _MM_HINT_T0);
+    for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + b, _MM_HINT_T0);
 #endif
-      wv[c] = vload(wn + c * K + k);
-    }
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(p + c * kWidth);
     for (int r = 0; r < R; ++r) {
-      const Vec xv = xload(x + r * K + k);
+      const Vec xv = xload(x + r * K + s * kWidth);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (const int64_t rest = K - num_full * kWidth; rest > 0) {
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(p + c * kWidth);  // zero-padded past K
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = xload_partial(x + r * K + num_full * kWidth, rest);
       for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float s = vsum(acc[r][c]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[r * K + kk] * static_cast<float>(wn[c * K + kk]);
-      y[r * N + n + c] = e.apply(s, n + c);
-    }
+    for (int c = 0; c < C; ++c) y[r * N + n + c] = e.apply(vsum(acc[r][c]), n + c);
 }
 
 // All M rows against C channels: groups of kRows rows, then the remainder.
 template <typename T, int C>
-inline void channels(const float* x, int64_t M, int64_t K, const T* w, int64_t n, float* y, int64_t N,
+inline void channels(const float* x, int64_t M, int64_t K, const T* wt, int64_t n, float* y, int64_t N,
                      const Epilogue& e) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<T, kRows, C>(x + m * K, K, w, n, y + m * N, N, e);
-  for (; m < M; ++m) tile<T, 1, C>(x + m * K, K, w, n, y + m * N, N, e);
+  for (; m + kRows <= M; m += kRows) tile<T, kRows, C>(x + m * K, K, wt, n, y + m * N, N, e);
+  for (; m < M; ++m) tile<T, 1, C>(x + m * K, K, wt, n, y + m * N, N, e);
 }
 
 template <typename T>
-void stream(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y, const Epilogue& e) {
-  const int64_t num_tiles = N / kChannels;
-  // One parallel region per call; threads split the channel tiles into contiguous ranges.
+void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_t N, float* y, const Epilogue& e) {
+  const int64_t num_tiles = N / kChannels;  // then one narrower tile of the last N % kChannels channels
+  // One parallel region per call; threads split the tiles into contiguous ranges.
 #pragma omp parallel for schedule(static) if (N * K > (1 << 15))
-  for (int64_t t = 0; t < num_tiles; ++t) channels<T, kChannels>(x, M, K, w, t * kChannels, y, N, e);
-  for (int64_t n = num_tiles * kChannels; n < N; ++n) channels<T, 1>(x, M, K, w, n, y, N, e);
+  for (int64_t t = 0; t < num_tiles; ++t) channels<T, kChannels>(x, M, K, w + t * kChannels * Kp, t * kChannels, y, N, e);
+  const int64_t n = num_tiles * kChannels;
+  const T* wt = w + n * Kp;
+  switch (N - n) {  // the narrower last tile
+    case 3: channels<T, 3>(x, M, K, wt, n, y, N, e); break;
+    case 2: channels<T, 2>(x, M, K, wt, n, y, N, e); break;
+    case 1: channels<T, 1>(x, M, K, wt, n, y, N, e); break;
+    default: break;
+  }
 }
 
 }  // namespace
 
-// x: [M, K] float32 or bfloat16; w: [N, K] float32, bfloat16 or int8 (row-major);
+// w: [N, K] row-major -> [N, Kp / W, W] in the kernel's layout (Kp: K rounded up to the vector
+// width W, zero-padded). The shape keeps N and Kp; the memory is tile-major (see the top).
+torch::Tensor stream_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "stream_pack: expects a [N, K] weight, got ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), steps = (K + kWidth - 1) / kWidth, Kp = steps * kWidth;
+  const torch::Tensor padded = at::constant_pad_nd(w, {0, Kp - K});
+  auto out = torch::empty({N, steps, kWidth}, w.options());
+  const int64_t full = N / kChannels * kChannels;
+  if (full > 0)  // [tiles, C, steps, W] -> [tiles, steps, C, W]
+    out.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth})
+        .copy_(padded.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth}).permute({0, 2, 1, 3}));
+  if (N > full)
+    out.narrow(0, full, N - full).view({steps, N - full, kWidth})
+        .copy_(padded.narrow(0, full, N - full).view({N - full, steps, kWidth}).permute({1, 0, 2}));
+  return out;
+}
+
+// The inverse: [N, Kp / W, W] in the kernel's layout -> [N, Kp] row-major (still padded).
+torch::Tensor stream_unpack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.is_contiguous(),
+              "stream_unpack: expects a weight from this build's stream_pack ([N, Kp/", kWidth, ", ", kWidth, "])");
+  const int64_t N = w.size(0), steps = w.size(1), full = N / kChannels * kChannels;
+  auto out = torch::empty({N, steps * kWidth}, w.options());
+  if (full > 0)
+    out.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth})
+        .copy_(w.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth}).permute({0, 2, 1, 3}));
+  if (N > full)
+    out.narrow(0, full, N - full).view({N - full, steps, kWidth})
+        .copy_(w.narrow(0, full, N - full).view({steps, N - full, kWidth}).permute({1, 0, 2}));
+  return out;
+}
+
+// x: [M, K] float32 or bfloat16; w: float32, bfloat16 or int8 from stream_pack ([N, Kp/W, W]);
 // scale: [N] float32 (int8 weights: the per-channel scale) or None; bias: [N] or None.
 // Returns [M, N] in x's dtype.
 torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optional<torch::Tensor>& scale_opt,
                             const c10::optional<torch::Tensor>& bias_opt) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "stream_linear: shapes do not match, x ",
-              x.sizes(), " w ", w.sizes());
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.is_contiguous(),
+              "stream_linear: the weight must come from this build's stream_pack ([N, Kp/", kWidth, ", ", kWidth,
+              "]), got ", w.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= w.size(1) * kWidth && x.size(1) > (w.size(1) - 1) * kWidth,
+              "stream_linear: shapes do not match, x ", x.sizes(), " packed w ", w.sizes());
   const auto wt = w.scalar_type();
   TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16 || wt == torch::kInt8,
               "stream_linear: weights must be float32, bfloat16 or int8, got ", wt);
@@ -157,8 +225,7 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
   TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
               "stream_linear: activations must be float32 or bfloat16, got ", out_dtype);
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), Kp = w.size(1) * kWidth, N = w.size(0);
   torch::Tensor scale, bias;
   if (scale_opt.has_value() && scale_opt->defined()) {
     scale = scale_opt->to(torch::kFloat32).contiguous();
@@ -172,13 +239,14 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
   auto y = torch::empty({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (wt == torch::kFloat32) stream(xp, M, K, w.data_ptr<float>(), N, yp, e);
-  else if (wt == torch::kBFloat16) stream(xp, M, K, w.data_ptr<bf16>(), N, yp, e);
-  else stream(xp, M, K, w.data_ptr<int8_t>(), N, yp, e);
+  if (wt == torch::kFloat32) stream(xp, M, K, Kp, w.data_ptr<float>(), N, yp, e);
+  else if (wt == torch::kBFloat16) stream(xp, M, K, Kp, w.data_ptr<bf16>(), N, yp, e);
+  else stream(xp, M, K, Kp, w.data_ptr<int8_t>(), N, yp, e);
   return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);
 }
 
-// W8A16 under its historical name: float32 x, int8 w, per-channel scale.
+// W8A16 under its historical name (the profiler shows it apart): float32 x, int8 w from
+// stream_pack, per-channel scale.
 torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                                  const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8 &&
@@ -188,10 +256,14 @@ torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor w, torch::Tensor
 }
 
 TORCH_LIBRARY_FRAGMENT(fivefold, m) {
+  m.def("stream_pack(Tensor w) -> Tensor");
+  m.def("stream_unpack(Tensor w) -> Tensor");
   m.def("stream_linear(Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("int8_weight_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
+  m.impl("stream_pack", &stream_pack);
+  m.impl("stream_unpack", &stream_unpack);
   m.impl("stream_linear", &stream_linear);
   m.impl("int8_weight_linear", &int8_weight_linear);
 }

@@ -143,10 +143,12 @@ def row_pieces(rows: int) -> list[tuple[int, int]]:
     return pieces
 
 
-# Rows up to which a linear streams its row-major weight through fivefold::stream_linear
-# (fivefold/kernels/linear_stream.cpp) instead of oneDNN's packed GEMM: where the streaming kernel
-# measured faster with the weights coming from DRAM (benchmarks/linear_stream.py, both kinds of CPU).
-STREAM_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# Rows up to which a linear streams its weight (in stream_pack's layout) through
+# fivefold::stream_linear (fivefold/kernels/linear_stream.cpp) instead of oneDNN's packed GEMM: where
+# the streaming kernel measured faster with the weights coming from DRAM (benchmarks/linear_stream.py,
+# backends timed in turn; Zen 4: float32 1/2/4 rows 88/84/81% of the copy bandwidth vs oneDNN
+# 68/64/77%, 8 rows 58% vs 72%; bf16 1/2/4 rows 83/82/78% vs 55/59/68%, 8 rows 48% vs 58%).
+STREAM_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
 
 
 def stream_max_rows(dtype: torch.dtype) -> int:
@@ -157,10 +159,12 @@ def stream_max_rows(dtype: torch.dtype) -> int:
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight oneDNN has re-laid-out ("packed") for its GEMM kernels.
 
-    Decode-sized inputs (up to :data:`STREAM_MAX_ROWS` rows) run the streaming kernel on the
-    row-major ``weight`` instead, which reads the weights at a higher share of the memory bandwidth
-    than oneDNN does for so few rows. So the layer holds its weight twice, row-major and packed:
-    the price of the fastest kernel at every batch size (for SmolLM2 in float32, +538 MB).
+    Decode-sized inputs (up to :data:`STREAM_MAX_ROWS` rows) run the streaming kernel on
+    ``stream_weight`` (the same weights in fivefold::stream_pack's tile-major layout) instead,
+    which reads the weights at a higher share of the memory bandwidth than oneDNN does for so few
+    rows. So the layer holds its weight twice, in the two kernels' layouts: the price of the
+    fastest kernel at every batch size (for SmolLM2 in float32, +538 MB). Where the streaming
+    kernel is not built, the second copy is the plain row-major weight (nothing streams then).
 
     Measured on this 2-core AVX-512 CPU (float32, benchmarks/decode_batch.py shows the
     end-to-end effect), against F.linear on the plain row-major weight:
@@ -176,10 +180,21 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight.detach().contiguous()  # [out, in], for the streaming kernel
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.BATCH_HINT)
-        self.stream_max_rows = stream_max_rows(self.weight.dtype)
+        weight = linear.weight.detach().contiguous()  # [out, in]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.stream_max_rows = stream_max_rows(weight.dtype)
+        # The streaming kernel's layout, or (no kernel) the row-major weight itself.
+        self.stream_weight = stream_ops().stream_pack(weight) if self.stream_max_rows else None
+        self._row_major = weight if self.stream_weight is None else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in], row-major. Unpacked from ``stream_weight`` on each access (a copy,
+        for export, state dicts and tests; the forward never reads it)."""
+        if self._row_major is not None:
+            return self._row_major
+        return stream_ops().stream_unpack(self.stream_weight)[:, :self.in_features].contiguous()
 
     @staticmethod
     def is_available() -> bool:
@@ -201,7 +216,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= self.stream_max_rows:
-            out = stream_ops().stream_linear(x.reshape(rows, self.in_features), self.weight, None, self.bias)
+            out = stream_ops().stream_linear(x.reshape(rows, self.in_features), self.stream_weight, None, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         if rows in _ROW_BUCKETS:
             return self._gemm(x)

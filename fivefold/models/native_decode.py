@@ -27,21 +27,24 @@ _NONE = torch.empty(0)  # "no tensor" in the C++ op's tensor lists
 
 
 def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
-    """(row-major weight, per-channel scale, bias, oneDNN-packed weight), or why it cannot run."""
+    """(streaming weight in fivefold::stream_pack's layout, per-channel scale, bias, the weight for
+    larger batches: oneDNN-packed, or row-major for at::linear), or why it cannot run."""
+    from fivefold.kernels import stream_ops
     from fivefold.quant.linear import Int8Linear
 
     bias = getattr(linear, "bias", None)
     bias = _NONE if bias is None else bias.detach()
     if isinstance(linear, PackedLinear):
-        return [linear.weight, _NONE, bias, linear.packed_weight]
+        return [linear.stream_weight, _NONE, bias, linear.packed_weight]
     if type(linear) is nn.Linear:
-        return [linear.weight.detach(), _NONE, bias, _NONE]
+        weight = linear.weight.detach()
+        return [stream_ops().stream_pack(weight), _NONE, bias, weight]
     if isinstance(linear, Int8Linear):
         if linear.scheme != "w8a16":
             return f"{linear.scheme} quantizes activations"
         if linear.is_clipped:
             return "clipped activations"
-        return [linear.weight, linear.weight_scale, bias, _NONE]
+        return [linear._prepare()["stream"], linear.weight_scale, bias, _NONE]
     return f"{type(linear).__name__} projections"
 
 

@@ -148,7 +148,8 @@ def candidates(w: torch.Tensor, x: torch.Tensor) -> dict:
     w_q, w_s = quantize_weight(w)
     out["w8a16-int8pack"] = lambda: w8a16_int8pack(x, w_q, w_s)
     ops = int8_ops()
-    out["w8a16-fivefold"] = (lambda: ops.int8_weight_linear(x, w_q, w_s, None)) if ops is not None else None
+    w_stream = ops.stream_pack(w_q) if ops is not None else None
+    out["w8a16-fivefold"] = (lambda: ops.int8_weight_linear(x, w_stream, w_s, None)) if ops is not None else None
     w_q_t = w_q.t().contiguous()
 
     def int_mm():

@@ -136,6 +136,8 @@ class Int8Linear(nn.Module):
                     p["fbgemm"] = torch.ops.quantized.linear_prepack(qw, self.bias)
             elif kernel == "int_mm":
                 p["w_t"] = self.weight.t().contiguous()  # [K, N] for torch._int_mm
+            elif kernel == "fivefold-w8a16":  # fivefold::stream_linear's tile-major layout
+                p["stream"] = int8_ops().stream_pack(self.weight)
             elif kernel in (EXACT_KERNEL, EXACT_FALLBACK):
                 p["w_sum"] = self.weight.sum(dim=1, dtype=torch.int32)  # folds the activation zero point
             self._prepared = p
@@ -183,7 +185,7 @@ class Int8Linear(nn.Module):
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
         ops = int8_ops() if x.shape[0] <= SMALL_BATCH else None
         if ops is not None:
-            return ops.int8_weight_linear(x, self.weight, self.weight_scale, self.bias)
+            return ops.int8_weight_linear(x, self._prepare()["stream"], self.weight_scale, self.bias)
         out = torch.empty(x.shape[0], self.out_features)
         for n0 in range(0, self.out_features, DEQUANT_TILE):
             w = self.weight[n0:n0 + DEQUANT_TILE].float() * self.weight_scale[n0:n0 + DEQUANT_TILE, None]

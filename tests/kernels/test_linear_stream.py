@@ -1,6 +1,6 @@
 """fivefold::stream_linear, the decode linear: against a float64 reference for every weight dtype,
 row count (the row groups and their remainder) and ragged shapes (K not a multiple of the vector
-width, N not a multiple of the channel tile)."""
+width, N not a multiple of the channel tile); stream_pack's layout round-trips exactly."""
 
 import pytest
 import torch
@@ -25,7 +25,9 @@ def test_stream_linear_matches_float64(dtype, rows, n, k):
     w, scale = _weights(dtype, n, k, gen)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen)
-    y = ops.stream_linear(x, w, scale, bias)
+    packed = ops.stream_pack(w)
+    assert torch.equal(ops.stream_unpack(packed)[:, :k], w)  # every weight where the layout says
+    y = ops.stream_linear(x, packed, scale, bias)
     ref = x.double() @ w.double().t()
     if scale is not None:
         ref = ref * scale.double()
@@ -36,15 +38,17 @@ def test_stream_linear_matches_float64(dtype, rows, n, k):
 
 def test_stream_linear_keeps_bf16_activations_and_refuses_bad_input():
     ops = stream_ops()
-    w = torch.randn(8, 32).to(torch.bfloat16)
+    w = ops.stream_pack(torch.randn(8, 32).to(torch.bfloat16))
     x = torch.randn(2, 32).to(torch.bfloat16)
     y = ops.stream_linear(x, w, None, None)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.float(), x.float() @ ops.stream_unpack(w).float().t(), rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.stream_linear(torch.randn(2, 31), w, None, None)
+        ops.stream_linear(torch.randn(2, 64), w, None, None)
     with pytest.raises(RuntimeError, match="weights must be float32, bfloat16 or int8"):
-        ops.stream_linear(torch.randn(2, 32), torch.randn(8, 32).half(), None, None)
+        ops.stream_linear(torch.randn(2, 32), ops.stream_pack(torch.randn(8, 32).half()), None, None)
+    with pytest.raises(RuntimeError, match="must come from this build's stream_pack"):
+        ops.stream_linear(torch.randn(2, 32), torch.randn(8, 32), None, None)  # a row-major weight
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 64])
