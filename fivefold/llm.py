@@ -11,7 +11,7 @@ from fivefold.models.loader import LoadedModel, load_model
 from fivefold.models.registry import DEFAULT_LLM
 from fivefold.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # vLLM's forms: text, token ids, {"prompt": ...}, {"prompt_token_ids": [...]}
 
 
 class LLM:
@@ -33,7 +33,7 @@ class LLM:
         show_progress: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]

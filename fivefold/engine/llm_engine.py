@@ -65,18 +65,17 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request (text or token ids). Raises InvalidRequestError if it can never run."""
+        """Queue a request. ``prompt`` takes vLLM's forms: text, token ids, ``{"prompt": text}`` or
+        ``{"prompt_token_ids": [...]}``. Raises InvalidRequestError if it is none of them, or can
+        never run."""
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n} is not supported by the engine; send n separate requests")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        text, token_ids = self._prompt_tokens(prompt)
         self.validate_lengths(len(token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -86,6 +85,31 @@ class LLMEngine:
         self.requests[request_id] = _RequestState(seq, detokenizer, text)
         self.scheduler.add(seq)
         return request_id
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt in any of vLLM's forms, each id checked."""
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+                prompt = prompt["prompt"]
+            elif keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise InvalidRequestError(
+                    f"a prompt dict must be {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; got keys "
+                    f"{sorted(map(str, keys))}")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+            raise InvalidRequestError(
+                f"a prompt must be a str, a list of token ids, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; "
+                f"got {type(prompt).__name__}")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
 
     def validate_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Worst-case admission check: prompt + max_tokens must fit the context and the KV pool."""

@@ -149,3 +149,25 @@ def test_requests_that_can_never_fit_are_refused(llm):
     small = LLM(llm.loaded, kv_cache_memory=4 * 16 * 46080)  # 4 blocks = 64 tokens
     with pytest.raises(InvalidRequestError, match=r"can never fit the KV cache \(64 tokens\)"):
         small.generate(PROMPT, SamplingParams(max_tokens=100))
+
+
+def test_vllm_prompt_forms_give_the_same_tokens_and_bad_ones_are_refused_at_add_request(llm):
+    """str, token ids, {"prompt": str} and {"prompt_token_ids": [...]} (vLLM's TextPrompt and
+    TokensPrompt) run the same greedy request; anything else fails in add_request, naming the forms,
+    and leaves nothing queued."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], params)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert all(o.prompt_token_ids == ids for o in outs)
+    single = llm.generate({"prompt_token_ids": ids}, params)  # one dict is one prompt, not its keys
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    vocab = llm.loaded.config.vocab_size
+    for bad, match in [({"text": text}, "prompt dict must be"), ({"prompt": ids}, "prompt dict must be"),
+                       ({"prompt_token_ids": ids, "prompt": text}, "prompt dict must be"),
+                       (3.5, "a prompt must be"), ([1, "two"], "a prompt must be"), ([True], "a prompt must be"),
+                       ([vocab], f"outside the vocabulary \\[0, {vocab}\\)"), ([-1], "outside the vocabulary")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.engine.add_request(bad, params)
+    assert not llm.engine.has_unfinished
