@@ -271,9 +271,22 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
 
         return Response(await metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "fivefold"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "fivefold"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id, model_name)
+        return card
+
+    @app.get("/version")
+    async def version():
+        from fivefold import __version__
+
+        return {"version": __version__}
 
     return app
 
@@ -293,9 +306,9 @@ async def await_unless_disconnected(request: Request, awaitables: list):
 
 
 def check_model(name: str | None, model_name: str) -> None:
-    """400 (OpenAI's ``model_not_found``) unless ``name`` is absent or the served model."""
+    """404 ``model_not_found`` (as OpenAI and vLLM answer) unless ``name`` is absent or the served model."""
     if name is not None and name != model_name:
-        raise APIError(400, f"model '{name}' is not served here; available: {model_name}", "model", "model_not_found")
+        raise APIError(404, f"model '{name}' is not served here; available: {model_name}", "model", "model_not_found")
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,

@@ -120,7 +120,7 @@ def test_bad_input_gets_openai_errors(server):
              ({"input": [101, 99999, 102]}, 400, "token ids must be in [0, 30522)"),
              ({"input": "x", "dimensions": 0}, 400, "dimensions must be in [1, 384]"),
              ({"input": "x", "dimensions": 385}, 400, "dimensions must be in [1, 384]"),
-             ({"input": "x", "model": "gpt"}, 400, "model 'gpt' is not served here"),
+             ({"input": "x", "model": "gpt"}, 404, "model 'gpt' is not served here"),
              ({"input": ["x"] * 2049}, 400, "the limit is 2048"),
              ({"input": "x", "encoding_format": "int8"}, 422, "encoding_format"),
              ({"input": {"a": 1}}, 422, "input")]

@@ -52,7 +52,7 @@ def test_openai_client_chat_completions_and_streaming(prefix_aware, model_dir):
     # validation still happens (in the replica) and keeps OpenAI's error shape
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
         client.completions.create(model=model_dir, prompt=prompt, max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="other", prompt=prompt, max_tokens=2)
     assert httpx.get(prefix_aware + "/health").json() == {"status": "ok"}
 

@@ -85,7 +85,7 @@ def test_n_stop_seed_logprobs(client):
     ({"model": MODEL, "prompt": "hi", "temperature": 3}, 400, "temperature must be in [0, 2], got 3.0"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "exceeds the maximum context length 8192"),
     ({"model": MODEL, "prompt": "hi " * 9000}, 400, "the maximum context length is 8192"),
-    ({"model": "gpt-4", "prompt": "hi"}, 400, "model 'gpt-4' is not served here"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' is not served here"),
     ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": [70000]}, 400, "prompt token ids must be in [0, 49152)"),
@@ -167,3 +167,18 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
     assert metric(after, "fivefold:num_requests_running") == 0
     assert metric(after, "fivefold:kv_cache_used_blocks") == 0
     assert metric(after, "fivefold:kv_cache_num_blocks") == engine.kv_cache.num_blocks
+
+
+def test_version_and_model_card_endpoints(server):
+    """GET /version; GET /v1/models/{id} is the served model's card, and any other id is 404
+    model_not_found in OpenAI's error shape."""
+    from fivefold import __version__
+
+    url, auth = server[0], {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(url + "/version", headers=auth).json() == {"version": __version__}
+    card = httpx.get(url + f"/v1/models/{MODEL}", headers=auth)
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    assert card.json() == httpx.get(url + "/v1/models", headers=auth).json()["data"][0]
+    missing = httpx.get(url + "/v1/models/gpt-4", headers=auth)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found" and "gpt-4" in missing.json()["error"]["message"]
