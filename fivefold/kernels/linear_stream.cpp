@@ -26,6 +26,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -176,20 +178,29 @@ void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_
 
 }  // namespace
 
+// Copies between a row-major [N, Kp] weight and the kernel's layout [N, Kp / W, W], either way:
+// full tiles are [tiles, C, steps, W] row-major and [tiles, steps, C, W] in the layout; the narrower
+// last tile of c channels is [c, steps, W] and [steps, c, W].
+void relayout(const torch::Tensor& row_major, const torch::Tensor& packed, bool to_packed) {
+  const int64_t N = row_major.size(0), steps = packed.size(1), full = N / kChannels * kChannels, rest = N - full;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> parts;  // (row-major view, packed view permuted to it)
+  if (full > 0)
+    parts.emplace_back(row_major.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth}),
+                       packed.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth}).permute({0, 2, 1, 3}));
+  if (rest > 0)
+    parts.emplace_back(row_major.narrow(0, full, rest).view({rest, steps, kWidth}),
+                       packed.narrow(0, full, rest).view({steps, rest, kWidth}).permute({1, 0, 2}));
+  for (auto& [rows, tiles] : parts) to_packed ? tiles.copy_(rows) : rows.copy_(tiles);
+}
+
 // w: [N, K] row-major -> [N, Kp / W, W] in the kernel's layout (Kp: K rounded up to the vector
 // width W, zero-padded). The shape keeps N and Kp; the memory is tile-major (see the top).
 torch::Tensor stream_pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "stream_pack: expects a [N, K] weight, got ", w.sizes());
-  const int64_t N = w.size(0), K = w.size(1), steps = (K + kWidth - 1) / kWidth, Kp = steps * kWidth;
-  const torch::Tensor padded = at::constant_pad_nd(w, {0, Kp - K});
-  auto out = torch::empty({N, steps, kWidth}, w.options());
-  const int64_t full = N / kChannels * kChannels;
-  if (full > 0)  // [tiles, C, steps, W] -> [tiles, steps, C, W]
-    out.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth})
-        .copy_(padded.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth}).permute({0, 2, 1, 3}));
-  if (N > full)
-    out.narrow(0, full, N - full).view({steps, N - full, kWidth})
-        .copy_(padded.narrow(0, full, N - full).view({N - full, steps, kWidth}).permute({1, 0, 2}));
+  const int64_t steps = (w.size(1) + kWidth - 1) / kWidth;
+  const torch::Tensor padded = at::constant_pad_nd(w, {0, steps * kWidth - w.size(1)}).contiguous();
+  auto out = torch::empty({w.size(0), steps, kWidth}, w.options());
+  relayout(padded, out, /*to_packed=*/true);
   return out;
 }
 
@@ -197,14 +208,8 @@ torch::Tensor stream_pack(torch::Tensor w) {
 torch::Tensor stream_unpack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.is_contiguous(),
               "stream_unpack: expects a weight from this build's stream_pack ([N, Kp/", kWidth, ", ", kWidth, "])");
-  const int64_t N = w.size(0), steps = w.size(1), full = N / kChannels * kChannels;
-  auto out = torch::empty({N, steps * kWidth}, w.options());
-  if (full > 0)
-    out.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth})
-        .copy_(w.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth}).permute({0, 2, 1, 3}));
-  if (N > full)
-    out.narrow(0, full, N - full).view({N - full, steps, kWidth})
-        .copy_(w.narrow(0, full, N - full).view({steps, N - full, kWidth}).permute({1, 0, 2}));
+  auto out = torch::empty({w.size(0), w.size(1) * kWidth}, w.options());
+  relayout(out, w, /*to_packed=*/false);
   return out;
 }
 
