@@ -8,6 +8,13 @@ the copies so no matrix is in cache when its turn comes. GB/s = weight bytes / t
 the share is of the machine's copy bandwidth measured in the same run (a 256 MB copy,
 fivefold.profile.roofline.measure_bandwidth).
 
+"Of roofline" divides by the roofline's time instead: the larger of the bytes over the bandwidth
+and the FLOPs (2 * rows * weights) over the GEMM rate measured in the same run for the dtype the
+backend computes in (the stream kernel widens every weight to float32, so its rate is float32's;
+oneDNN's bf16 GEMM computes in bf16). Past a few rows, a 2-core CPU cannot do one multiply-add per
+weight per row as fast as DRAM delivers the weights, and this column says how close a backend is
+to what the machine allows there.
+
 Backends:
   stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp) on stream_pack's tile-major
            layout: float32, bfloat16, int8 (W8A16)
@@ -36,7 +43,7 @@ from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.kernels import stream_ops  # noqa: E402
 from fivefold.models.layers import PackedLinear  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
-from fivefold.profile.roofline import measure_bandwidth  # noqa: E402
+from fivefold.profile.roofline import measure_bandwidth, measure_flops  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * NUM_LAYERS + [
@@ -129,6 +136,10 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     llc = last_level_cache_bytes()
     bandwidth = measure_bandwidth()
+    # FLOP/s of the arithmetic each backend does: float32 for the stream kernel (it widens).
+    flops = {"float32": measure_flops(torch.float32)}
+    if "bfloat16" in dtypes:
+        flops["bfloat16"] = measure_flops(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     results = []
     for dtype in dtypes:
@@ -139,27 +150,36 @@ def main() -> None:
         x_dtype = torch.float32 if dtype in ("float32", "int8") else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
+        num_weights = sum(n * k for n, k in SHAPES)
         for m in track(rows, description=f"{dtype}"):
             x_by_k = {k: torch.randn(m, k).to(x_dtype) for k in (HIDDEN, INTERMEDIATE)}
             for name, seconds in time_passes(prepared_by_backend, x_by_k, args.repeats).items():
+                rate = flops["bfloat16" if dtype == "bfloat16" and name != "stream" else "float32"]
+                roof_seconds = max(model_bytes / bandwidth, 2 * m * num_weights / rate)
                 results.append({"dtype": dtype, "backend": name, "rows": m, "ms_per_pass": round(seconds * 1e3, 3),
                                 "GB_s": round(model_bytes / seconds / 1e9, 2),
                                 "share_of_bandwidth": round(model_bytes / seconds / bandwidth, 3),
+                                "share_of_roofline": round(roof_seconds / seconds, 3),
+                                "bound": "memory" if roof_seconds == model_bytes / bandwidth else "compute",
                                 "working_set_MB": round(num_copies * model_bytes / 1e6)})
         del prepared_by_backend
         del weights
 
     table = Table(title=f"decode linears streamed from DRAM: {len(SHAPES)} matrices per pass (SmolLM2-135M shapes), "
                         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, last-level cache {llc >> 20} MiB, "
-                        f"{torch.get_num_threads()} threads, {plat.isa_level}")
-    for col in ("dtype", "backend", "rows", "ms / pass", "GB/s", "of bandwidth", "working set MB"):
+                        f"{torch.get_num_threads()} threads, {plat.isa_level}; GEMM "
+                        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in flops.items()))
+    for col in ("dtype", "backend", "rows", "ms / pass", "GB/s", "of bandwidth", "of roofline", "roof bound",
+                "working set MB"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(r["dtype"], r["backend"], str(r["rows"]), f"{r['ms_per_pass']:.2f}", f"{r['GB_s']:.1f}",
-                      f"{r['share_of_bandwidth']:.0%}", str(r["working_set_MB"]))
+                      f"{r['share_of_bandwidth']:.0%}", f"{r['share_of_roofline']:.0%}", r["bound"],
+                      str(r["working_set_MB"]))
     Console(width=150).print(table)
     print(json_line({"benchmark": "linear_stream", "bandwidth_GB_s": round(bandwidth / 1e9, 2),
-                     "last_level_cache_MiB": llc >> 20, "results": results}))
+                     "last_level_cache_MiB": llc >> 20,
+                     "gemm_GFLOP_s": {k: round(v / 1e9, 1) for k, v in flops.items()}, "results": results}))
 
 
 if __name__ == "__main__":
