@@ -9,6 +9,8 @@ from fivefold.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # bounds the per-token scan for a stop string (and its held-back prefix)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (see SamplingParams.is_greedy)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
@@ -28,6 +30,11 @@ class SamplingParams:
     presence/frequency penalties follow OpenAI's, over the output only. ``logprobs``
     asks for the sampled token's log-probability plus the top N (from the model's
     raw distribution, before temperature and penalties, as vLLM does by default).
+    ``prompt_logprobs`` asks for the same of every prompt token after the first (vLLM's field;
+    the first has no context and gets None); such a request skips the prefix cache, since
+    tokens served from it are never run through the model. ``logit_bias`` maps token ids to
+    values in [-100, 100] added to the logits before anything else (OpenAI's rule); a dict is
+    accepted and stored as sorted (id, bias) pairs so the params stay hashable.
     """
 
     max_tokens: int = 16
@@ -46,6 +53,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -56,6 +65,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
@@ -67,6 +77,13 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+             f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}"),
+            (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
+             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias keys must be token ids >= 0"),
             (len(self.stop) <= MAX_STOP_STRINGS and all(self.stop),
              f"stop must be at most {MAX_STOP_STRINGS} non-empty strings"),
             (all(len(s) <= MAX_STOP_CHARS for s in self.stop),
@@ -85,6 +102,30 @@ class SamplingParams:
         small overflows float32, and the distribution is argmax to within rounding (vLLM's rule)."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError if a token id the params name is outside [0, vocab_size)."""
+        for what, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{what} names token id {bad}, outside the vocabulary [0, {vocab_size})")
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict (keys may be strings of digits,
+    as JSON sends them) or pairs."""
+    items = bias.items() if isinstance(bias, dict) else (bias or ())
+    pairs = []
+    for key, value in items:
+        try:
+            token = int(key)
+            value = float(value)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {key!r}: {value!r}") from None
+        if isinstance(key, bool) or not (isinstance(key, int) or str(key).strip().lstrip("-").isdigit()):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}")
+        pairs.append((token, value))
+    return tuple(sorted(pairs))

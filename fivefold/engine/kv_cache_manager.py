@@ -74,7 +74,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, since sampling needs its logits.
         """
-        if self.prefix_cache is None or seq.num_computed_tokens:
+        # A request for prompt logprobs runs its whole prompt: cached tokens have no logits.
+        if self.prefix_cache is None or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
             return []
         return self.prefix_cache.match_prefix(seq.token_ids[: seq.num_tokens - 1])
 

@@ -76,7 +76,7 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n} is not supported by the engine; send n separate requests")
         text, token_ids = self._prompt_tokens(prompt)
-        self.validate_lengths(len(token_ids), params.max_tokens)
+        self.validate(len(token_ids), params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
@@ -110,6 +110,12 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return None, list(prompt)
+
+    def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise InvalidRequestError if a request can never run: token ids its params name outside
+        the vocabulary, or a prompt + max_tokens that cannot fit the context or the KV pool."""
+        params.check_token_ids(self.loaded.config.vocab_size)
+        self.validate_lengths(num_prompt_tokens, params.max_tokens)
 
     def validate_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Worst-case admission check: prompt + max_tokens must fit the context and the KV pool."""
@@ -149,12 +155,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits, sampling = self.runner.execute(batch.scheduled)
+        result = self.runner.execute(batch.scheduled)
+        for request_id, (start, entries) in result.prompt_logprobs.items():
+            seq = self.requests[request_id].seq
+            # A recompute after preemption covers positions again: keep the first computation.
+            for position, (logprob, top) in enumerate(entries, start + 1):
+                if position > len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append({"token_id": seq.prompt_token_ids[position], "logprob": logprob,
+                                                "top": top})
         self.scheduler.postprocess(batch)
+        sampling = result.sampling
         if not sampling:
             return []
         with torch.profiler.record_function("fivefold::sampling"):  # named so the profiler can attribute it
-            sampled = self.sampler(logits, sampling)
+            sampled = self.sampler(result.logits, sampling)
         now = time.monotonic()
         outputs = []
         for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -219,6 +233,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             prompt=state.prompt,
             metrics=seq.metrics,
+            prompt_logprobs=None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs],
         )
 
     def stats(self) -> dict:

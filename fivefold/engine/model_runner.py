@@ -7,15 +7,28 @@ sample this step (those whose prompt is fully computed after it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from fivefold.engine.config import EngineConfig
+from fivefold.engine.sampler import token_logprobs
 from fivefold.engine.sequence import Sequence
 from fivefold.errors import FivefoldError
 from fivefold.kernels import fused_ops, paged_attention_ops
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.models.native_decode import NativeDecoder
+
+
+@dataclass
+class StepResult:
+    """What one model step gives the engine."""
+
+    logits: torch.Tensor  # [len(sampling), vocab]
+    sampling: list[Sequence]  # the sequences that sample a token this step
+    # request id -> (first prompt position covered, [(logprob, top pairs)] of the following prompt tokens)
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
@@ -86,8 +99,8 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long), positions, meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; return logits [num_sampling, vocab] and the sequences they belong to."""
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
+        """Run one step: logits of the sequences that sample, and the prompt logprobs computed."""
         input_ids, positions, meta = self.prepare(scheduled)
         if self.native_decoder is not None and NativeDecoder.is_decode_only(meta):
             hidden = self.native_decoder(input_ids, positions, meta, self.kv_caches)
@@ -98,6 +111,24 @@ class ModelRunner:
             if seq.num_computed_tokens + num_new == seq.num_tokens:
                 rows.append(meta.query_start_loc[i + 1] - 1)
                 sampling.append(seq)
+        prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if not rows:
-            return torch.empty(0, self.model.config.vocab_size), []
-        return self.model.compute_logits(hidden[rows]), sampling
+            return StepResult(torch.empty(0, self.model.config.vocab_size), [], prompt_logprobs)
+        return StepResult(self.model.compute_logits(hidden[rows]), sampling, prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduled, meta: AttentionMetadata, hidden: torch.Tensor) -> dict:
+        """{request id: [(logprob, top pairs) of prompt tokens start+1 .. ]} for the sequences that
+        asked (SamplingParams.prompt_logprobs), over the prompt positions this step computed: the
+        hidden state at position p gives the distribution of token p + 1."""
+        found = {}
+        for i, (seq, num_new) in enumerate(scheduled):
+            n = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            stop = min(start + num_new, seq.num_prompt_tokens - 1)  # the last prompt token predicts output
+            if n is None or start >= stop:
+                continue
+            first = meta.query_start_loc[i]
+            logits = self.model.compute_logits(hidden[first: first + stop - start])
+            targets = seq.prompt_token_ids[start + 1: stop + 1]
+            found[seq.request_id] = (start, token_logprobs(logits, targets, [n] * len(targets)))
+        return found

@@ -30,3 +30,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     metrics: RequestMetrics | None = None  # queue_time, ttft, decode_time (seconds)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no context)
+    prompt_logprobs: list[dict | None] | None = None

@@ -39,6 +39,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Add each row's logit_bias (OpenAI's rule: to the logits, before penalties and sampling)."""
+    for row, seq in enumerate(seqs):
+        if seq.params.logit_bias:
+            ids, values = zip(*seq.params.logit_bias)
+            logits[row, list(ids)] += torch.tensor(values, dtype=logits.dtype)
+    return logits
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (set to -inf) tokens outside each row's top-k, then nucleus top-p, then min-p, each on
     what the one before kept (vLLM's and transformers' order: top-p's mass is that of the top-k)."""
@@ -65,13 +74,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     return logits
 
 
-def _logprobs(raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]):
-    wanted = [s.params.logprobs for s in seqs]
-    if all(w is None for w in wanted):
-        return [None] * len(seqs)
+def token_logprobs(raw: torch.Tensor, token_ids: list[int], num_top: list[int | None]):
+    """Per row: (log-probability of ``token_ids[row]``, its top ``num_top[row]`` as (id, logprob)
+    pairs), or None where ``num_top[row]`` is None. ``raw``: logits [rows, vocab]. The sampled
+    tokens' logprobs and the prompt tokens' (ModelRunner) both come from here."""
+    if all(n is None for n in num_top):
+        return [None] * len(token_ids)
     logp = raw.log_softmax(dim=-1)
     out = []
-    for row, (n, token) in enumerate(zip(wanted, token_ids)):
+    for row, (n, token) in enumerate(zip(num_top, token_ids)):
         if n is None:
             out.append(None)
             continue
@@ -86,8 +97,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         raw = logits
+        if any(s.params.logit_bias for s in seqs):
+            logits = apply_logit_bias(logits.clone(), seqs)
         if any(s.params.has_penalties for s in seqs):
-            logits = apply_penalties(logits.clone(), seqs)
+            logits = apply_penalties(logits.clone() if logits is raw else logits, seqs)
         greedy = [s.params.is_greedy for s in seqs]
         token_ids = logits.argmax(dim=-1).tolist()
         if not all(greedy):
@@ -101,4 +114,4 @@ class Sampler:
             for row, seq in enumerate(seqs):
                 if not greedy[row]:
                     token_ids[row] = int(torch.multinomial(probs[row], 1, generator=seq.generator))
-        return SamplerOutput(token_ids, _logprobs(raw, seqs, token_ids))
+        return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [s.params.logprobs for s in seqs]))

@@ -68,6 +68,8 @@ class Sequence:
     _prompt_block_hashes: list[int] | None = field(default=None, repr=False)
     generator: torch.Generator | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # entries of prompt tokens 1.. (SamplingParams.prompt_logprobs), in order, each computed once
+    prompt_logprobs: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

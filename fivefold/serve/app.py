@@ -33,7 +33,15 @@ from fivefold.errors import (
 )
 from fivefold.sampling_params import SamplingParams, wrap_seed
 from fivefold.serve.async_engine import AsyncEngine
-from fivefold.serve.protocol import ChatCompletionRequest, CompletionRequest, PromptVersionRequest
+from fivefold.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    PromptVersionRequest,
+    TokenizeRequest,
+    message_text,
+    unsupported_fields,
+)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -336,42 +344,70 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     add_prompt_version_admin(app, admin_key, lambda: versions["current"], change_version)
 
-    def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop or (), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, n=req.n,
+            logprobs=logprobs, n=req.n, logit_bias=req.logit_bias or (), stop_token_ids=req.stop_token_ids or (),
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def check_request(req) -> None:
+        """400 for a field this server does not implement (named), 404 for another model."""
+        check_model(req.model, model_name)
+        refused = unsupported_fields(req)
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0], "unsupported_field")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of={req.best_of} with n={req.n} is not supported: choosing the best of extra "
+                                "samples is not implemented (best_of must equal n, or be left out)", "best_of")
 
     def per_choice(params: SamplingParams, index: int) -> SamplingParams:
         seed = None if params.seed is None else wrap_seed(params.seed + index)
         return replace(params, n=1, seed=seed)
 
-    async def run_choices(request: Request, prompt_ids: list[int], params: SamplingParams, base_id: str):
-        """Run the n choices to completion; abort them all if the client disconnects."""
-        async def one(i: int):
+    def choice_jobs(prompts: list[list[int]], params: SamplingParams, base_id: str):
+        """(choice index, request id, prompt ids, params) of every choice: prompt p's choice i is
+        index p * n + i, as OpenAI numbers the choices of a batched request."""
+        n = params.n
+        return [(p * n + i, f"{base_id}-{p * n + i}", ids, per_choice(params, i))
+                for p, ids in enumerate(prompts) for i in range(n)]
+
+    async def run_choices(request: Request, prompts: list[list[int]], params: SamplingParams, base_id: str):
+        """Run every choice of every prompt to completion; abort them all if the client disconnects."""
+        async def one(request_id, ids, choice_params):
             last = None
-            async for out in engine.add_request(f"{base_id}-{i}", prompt_ids, per_choice(params, i)):
+            async for out in engine.add_request(request_id, ids, choice_params):
                 last = out
             return last
 
         # A cancelled choice's stream aborts its engine request in its finally block.
-        return await await_unless_disconnected(request, [asyncio.ensure_future(one(i)) for i in range(params.n)])
+        tasks = [asyncio.ensure_future(one(rid, ids, cp)) for _, rid, ids, cp in choice_jobs(prompts, params, base_id)]
+        return await await_unless_disconnected(request, tasks)
 
-    def usage(prompt_ids: list[int], outs, cached: int) -> dict:
-        completion = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(prompt_ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    def usage(prompts: list[list[int]], outs, n: int, num_completion_tokens=None) -> dict:
+        completion = sum(len(o.outputs[0].token_ids) for o in outs) if num_completion_tokens is None \
+            else num_completion_tokens
+        prompt = sum(len(ids) for ids in prompts)
+        cached = sum(outs[p * n].num_cached_tokens for p in range(len(prompts)) if p * n < len(outs))
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(entries):
+        """OpenAI's completions logprobs of entries {"token_id", "logprob", "top"} (an echoed
+        prompt's first token has logprob and top None, as OpenAI and vLLM answer)."""
         if entries is None:
             return None
-        tokens = [tokenizer.decode([e["token_id"]], skip_special_tokens=False) for e in entries]
+        tokens = [token_text(e["token_id"]) for e in entries]
         return {
             "tokens": tokens,
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in e["top"]}
+            "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]}
                              for e in entries],
             "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
         }
@@ -379,30 +415,27 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def chat_logprobs(entries):
         if entries is None:
             return None
-        def tok(t):
-            text = tokenizer.decode([t], skip_special_tokens=False)
-            return text, list(text.encode())
         content = []
         for e in entries:
-            text, raw = tok(e["token_id"])
-            top = [{"token": tok(t)[0], "logprob": lp, "bytes": tok(t)[1]} for t, lp in e["top"]]
-            content.append({"token": text, "logprob": e["logprob"], "bytes": raw, "top_logprobs": top})
+            text = token_text(e["token_id"])
+            top = [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())} for t, lp in e["top"]]
+            content.append({"token": text, "logprob": e["logprob"], "bytes": list(text.encode()), "top_logprobs": top})
         return {"content": content}
 
-    async def start_stream(prompt_ids, params, base_id):
-        """Start the n choices and wait for the first output, so that a refusal or a
-        queue timeout still gets its HTTP status instead of an error inside a 200 stream."""
+    async def start_stream(prompts, params, base_id):
+        """Start every choice and wait for the first output, so that a refusal or a queue
+        timeout still gets its HTTP status instead of an error inside a 200 stream."""
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int):
+        async def pump(k: int, request_id: str, ids, choice_params):
             try:
-                async for out in engine.add_request(f"{base_id}-{i}", prompt_ids, per_choice(params, i)):
-                    await merged.put((i, out))
+                async for out in engine.add_request(request_id, ids, choice_params):
+                    await merged.put((k, out))
             except Exception as exc:
-                await merged.put((i, exc))
-            await merged.put((i, None))
+                await merged.put((k, exc))
+            await merged.put((k, None))
 
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(params.n)]
+        tasks = [asyncio.ensure_future(pump(*job)) for job in choice_jobs(prompts, params, base_id)]
         first = await merged.get()
         if isinstance(first[1], Exception):
             for t in tasks:
@@ -410,17 +443,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise first[1]
         return first, merged, tasks
 
-    async def stream_choices(started, params, prompt_ids, chunk, include_usage: bool,
+    async def stream_choices(started, num_choices: int, chunk, usage_of, include_usage: bool,
                              first_chunks=(), on_complete=None) -> AsyncIterator[str]:
         """SSE: one event per new piece of text of any choice, then usage (if asked) and [DONE]."""
         first, merged, tasks = started
-        for i in range(params.n):
+        for k in range(num_choices):
             for event in first_chunks:
-                yield f"data: {json.dumps(event(i))}\n\n"
-        finals, remaining, item = {}, params.n, first
+                yield f"data: {json.dumps(event(k))}\n\n"
+        finals, remaining, item = {}, num_choices, first
         try:
             while True:
-                i, out = item
+                k, out = item
                 if out is None:
                     remaining -= 1
                 elif isinstance(out, Exception):
@@ -428,17 +461,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     yield f"data: {json.dumps({'error': {'message': str(out), 'type': error_type}})}\n\n"
                 else:
                     if out.finished:
-                        finals[i] = out
-                    yield f"data: {json.dumps(chunk(i, out))}\n\n"
+                        finals[k] = out
+                    yield f"data: {json.dumps(chunk(k, out))}\n\n"
                 if not remaining:
                     break
                 item = await merged.get()
-            outs = [finals[i] for i in sorted(finals)]
-            if on_complete is not None and len(outs) == params.n:
+            outs = [finals[k] for k in sorted(finals)]
+            if on_complete is not None and len(outs) == num_choices:
                 await on_complete(outs)
             if include_usage:
-                cached = outs[0].num_cached_tokens if outs else 0
-                yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': usage(prompt_ids, outs, cached)})}\n\n"
+                yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': usage_of(outs)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -479,23 +511,35 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def fresh_ids(body: dict, prefix: str) -> dict:
         return body | {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time())}
 
-    def prepare(prompt_ids: list[int], params: SamplingParams, base_id: str) -> None:
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty; at least one token is required", "prompt")
-        engine.validate(prompt_ids, params)
-        engine.reserve_queue([f"{base_id}-{i}" for i in range(params.n)], len(prompt_ids))
+    def prepare(prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
+        for p, ids in enumerate(prompts):
+            if not ids:
+                where = "" if len(prompts) == 1 else f" (prompt {p})"
+                raise APIError(400, f"the prompt is empty{where}; at least one token is required", "prompt")
+            engine.validate(ids, params)
+        reserved: list[str] = []
+        try:
+            for p, ids in enumerate(prompts):
+                request_ids = [f"{base_id}-{p * params.n + i}" for i in range(params.n)]
+                engine.reserve_queue(request_ids, len(ids))
+                reserved += request_ids
+        except Exception:
+            engine.release_queue(reserved)  # all of a batched request is queued, or none of it
+            raise
 
     # endpoint -> (id prefix, response object, stream chunk object)
     endpoints = {"completions": ("cmpl", "text_completion", "text_completion"),
                  "chat": ("chatcmpl", "chat.completion", "chat.completion.chunk")}
 
-    async def respond(kind: str, req, request: Request, prompt_ids: list[int], params: SamplingParams,
-                      choice_of, delta_of):
+    async def respond(kind: str, req, request: Request, prompts: list[list[int]], params: SamplingParams,
+                      choice_of, delta_of, usage_of=None):
         """The shared path of both endpoints: result cache, queue, engine, JSON or SSE.
 
-        ``choice_of(output)`` / ``delta_of(output)`` give the endpoint-specific fields of a
-        finished choice / of a stream chunk."""
+        ``choice_of(output, k)`` / ``delta_of(output, k)`` give the endpoint-specific fields of
+        finished choice k / of a stream chunk of choice k; ``usage_of(outs)`` the usage (default:
+        every output token counts)."""
         prefix, object_name, chunk_object = endpoints[kind]
+        usage_of = usage_of or (lambda outs: usage(prompts, outs, params.n))
         include = bool(req.stream_options and req.stream_options.include_usage)
         key, hit, cache_state = await cache_lookup(kind, req, request)
         headers = {"X-Cache": cache_state}
@@ -506,76 +550,172 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                          media_type="text/event-stream", headers=headers)
             return JSONResponse(body, headers=headers)
         base_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        prepare(prompt_ids, params, base_id)
+        prepare(prompts, params, base_id)
 
         async def body_from(outs) -> dict:
             body = {"id": base_id, "object": object_name, "created": created, "model": model_name,
-                    "choices": [{"index": i, **choice_of(o)} for i, o in enumerate(outs)],
-                    "usage": usage(prompt_ids, outs, outs[0].num_cached_tokens)}
+                    "choices": [{"index": k, **choice_of(o, k)} for k, o in enumerate(outs)],
+                    "usage": usage_of(outs)}
             if key is not None:
                 await result_cache.put(key, body)
             return body
 
-        def chunk(i, out):
+        def chunk(k, out):
             head = {"id": base_id, "object": chunk_object, "created": created, "model": model_name}
-            return head if out is None else head | {"choices": [{"index": i, **delta_of(out)}]}
+            return head if out is None else head | {"choices": [{"index": k, **delta_of(out, k)}]}
 
-        def role_chunk(i):
-            return chunk(None, None) | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+        def role_chunk(k):
+            return chunk(None, None) | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]}
 
         if req.stream:
-            started = await start_stream(prompt_ids, params, base_id)
+            started = await start_stream(prompts, params, base_id)
             first_chunks = (role_chunk,) if kind == "chat" else ()
-            return StreamingResponse(stream_choices(started, params, prompt_ids, chunk, include, first_chunks,
-                                                    on_complete=body_from),
+            return StreamingResponse(stream_choices(started, len(prompts) * params.n, chunk, usage_of, include,
+                                                    first_chunks, on_complete=body_from),
                                      media_type="text/event-stream", headers=headers)
-        outs = await run_choices(request, prompt_ids, params, base_id)
+        outs = await run_choices(request, prompts, params, base_id)
         return JSONResponse(await body_from(outs), headers=headers)
 
-    def new_logprobs(out, convert):
+    def new_entries(out) -> list[dict] | None:
         """Logprob entries of the tokens this output added."""
         entries = out.outputs[0].logprobs
-        return None if entries is None else convert(entries[-len(out.delta_token_ids):])
+        return None if entries is None else entries[len(entries) - len(out.delta_token_ids):]
+
+    def completion_prompts(req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """(token ids, text) of each prompt of a completions request (one, or a batch)."""
+        vocab_size = engine.engine.loaded.config.vocab_size
+        given = req.prompt
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        prompts, texts = [], []
+        for p, one in enumerate(given):
+            if isinstance(one, str):
+                prompts.append(tokenizer.encode(one) if one else [])
+                texts.append(one)
+                continue
+            bad = next((t for t in one if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                where = "" if len(given) == 1 else f" (prompt {p})"
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}){where}",
+                               "prompt")
+            prompts.append(list(one))
+            texts.append(tokenizer.decode(list(one), skip_special_tokens=False))
+        return prompts, texts
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model, model_name)
-        vocab_size = engine.engine.loaded.config.vocab_size
-        if isinstance(req.prompt, str):
-            prompt_ids = tokenizer.encode(req.prompt) if req.prompt else []
-        else:
-            prompt_ids = list(req.prompt)
-            if any(t < 0 or t >= vocab_size for t in prompt_ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        return await respond(
-            "completions", req, request, prompt_ids, params,
-            choice_of=lambda o: {"text": o.outputs[0].text, "logprobs": completion_logprobs(o.outputs[0].logprobs),
-                                 "finish_reason": o.outputs[0].finish_reason},
-            delta_of=lambda o: {"text": o.delta_text, "logprobs": new_logprobs(o, completion_logprobs),
-                                "finish_reason": o.outputs[0].finish_reason},
-        )
+        check_request(req)
+        prompts, texts = completion_prompts(req)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        # echo with max_tokens 0 scores the prompt: one token is run (the engine always samples
+        # one) and dropped from the answer, which holds the prompt and its logprobs only.
+        is_scoring = max_tokens == 0
+        if is_scoring and not req.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 is accepted only with echo, to score the prompt)",
+                           "max_tokens")
+        echo_logprobs = req.logprobs if req.echo else None
+        params = sampling(req, 1 if is_scoring else max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
+        n = params.n
+
+        def echoed(out, k) -> tuple[str, list[dict] | None]:
+            """The prompt part of an echoed choice: its text and logprob entries."""
+            ids = prompts[k // n]
+            if echo_logprobs is None:
+                return texts[k // n], None
+            first = {"token_id": ids[0], "logprob": None, "top": None}
+            return texts[k // n], [first, *(out.prompt_logprobs or [None])[1:]]
+
+        def choice_of(out, k):
+            c = out.outputs[0]
+            text, entries = c.text, c.logprobs
+            if is_scoring:
+                text, entries = "", [] if entries is not None else None
+            if req.echo:
+                prompt_text, prompt_entries = echoed(out, k)
+                text = prompt_text + text
+                if prompt_entries is not None:
+                    entries = prompt_entries + (entries or [])
+            return {"text": text, "logprobs": completion_logprobs(entries),
+                    "finish_reason": "length" if is_scoring else c.finish_reason}
+
+        echoed_choices: set[int] = set()
+
+        def delta_of(out, k):
+            text, entries = out.delta_text, new_entries(out)
+            if is_scoring:
+                text, entries = "", [] if entries is not None else None
+            if req.echo and k not in echoed_choices:  # the first chunk of a choice carries the prompt
+                echoed_choices.add(k)
+                prompt_text, prompt_entries = echoed(out, k)
+                text = prompt_text + text
+                if prompt_entries is not None:
+                    entries = prompt_entries + (entries or [])
+            finish = out.outputs[0].finish_reason
+            return {"text": text, "logprobs": completion_logprobs(entries),
+                    "finish_reason": "length" if is_scoring and finish else finish}
+
+        usage_of = (lambda outs: usage(prompts, outs, n, 0)) if is_scoring else None
+        return await respond("completions", req, request, prompts, params, choice_of, delta_of, usage_of)
+
+    def chat_messages(req) -> list[dict]:
+        """The messages as the chat template takes them: content as text, tool fields kept."""
+        if not req.messages:
+            raise APIError(400, "messages is empty; at least one message is required", "messages")
+        rendered = []
+        for i, m in enumerate(req.messages):
+            text = message_text(m)
+            if text is None and not (m.role == "assistant" and m.tool_calls):
+                raise APIError(400, f"messages[{i}]: content is required (null only on an assistant message with "
+                                    "tool_calls)", f"messages.{i}.content")
+            one = {"role": m.role, "content": text or ""}  # templates test content, or print None
+            one |= {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls),
+                                      ("tool_call_id", m.tool_call_id)) if v is not None}
+            rendered.append(one)
+        return rendered
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model, model_name)
-        if not req.messages:
-            raise APIError(400, "messages is empty; at least one message is required", "messages")
-        prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True)
+        check_request(req)
+        prompt_ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.engine.max_model_len - len(prompt_ids))
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = sampling(req, max_tokens, top if req.logprobs else None)
         return await respond(
-            "chat", req, request, prompt_ids, params,
-            choice_of=lambda o: {"message": {"role": "assistant", "content": o.outputs[0].text},
-                                 "logprobs": chat_logprobs(o.outputs[0].logprobs),
-                                 "finish_reason": o.outputs[0].finish_reason},
-            delta_of=lambda o: {"delta": {"content": o.delta_text}, "logprobs": new_logprobs(o, chat_logprobs),
-                                "finish_reason": o.outputs[0].finish_reason},
+            "chat", req, request, [prompt_ids], params,
+            choice_of=lambda o, k: {"message": {"role": "assistant", "content": o.outputs[0].text},
+                                    "logprobs": chat_logprobs(o.outputs[0].logprobs),
+                                    "finish_reason": o.outputs[0].finish_reason},
+            delta_of=lambda o, k: {"delta": {"content": o.delta_text}, "logprobs": chat_logprobs(new_entries(o)),
+                                   "finish_reason": o.outputs[0].finish_reason},
         )
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's shape: {"count", "max_model_len", "tokens", "token_strs"}."""
+        check_model(req.model, model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        elif req.add_special_tokens:
+            raise APIError(400, "add_special_tokens applies to a prompt: the chat template writes the special "
+                                "tokens of messages itself", "add_special_tokens")
+        else:
+            ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids,
+                "token_strs": [token_text(t) for t in ids] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model, model_name)
+        vocab_size = engine.engine.loaded.config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     return app
 

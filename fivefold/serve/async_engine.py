@@ -61,7 +61,7 @@ class AsyncEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError now if the request can never run (reads only fixed limits)."""
-        self.engine.validate_lengths(len(prompt_token_ids), params.max_tokens)
+        self.engine.validate(len(prompt_token_ids), params)
 
     @property
     def is_running(self) -> bool:

@@ -1,7 +1,12 @@
 """OpenAI request shapes (pydantic). Types are checked here (422 when wrong); ranges
 are checked by SamplingParams (400 naming the limit), the one place the offline API
 shares. The ranges are still published in the OpenAPI schema (``bounded``), so clients
-and the schema fuzzer (tests/serve/test_fuzz.py) see every limit and reach it."""
+and the schema fuzzer (tests/serve/test_fuzz.py) see every limit and reach it.
+
+No field is dropped silently: the models keep unknown fields (``extra="allow"``) and
+:func:`unsupported_fields` names every one that is set, with the reason when it is an
+OpenAI or vLLM field this server does not implement (the server answers 400). The table of
+fields and what happens to each is in the README ("OpenAI API coverage")."""
 
 from __future__ import annotations
 
@@ -9,7 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fivefold.sampling_params import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN
+from fivefold.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 
 def bounded(default: Any, **schema: Any) -> Any:
@@ -26,8 +38,60 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI and vLLM request fields that are refused when set (not None, not empty), with why.
+REFUSED_FIELDS = {
+    "suffix": "suffix (fill-in-the-middle insertion) is not supported",
+    "functions": "functions is deprecated by OpenAI; send tools",
+    "function_call": "function_call is deprecated by OpenAI; send tool_choice",
+    "audio": "audio output is not supported: the served model is text-only",
+    "modalities": "modalities is not supported: the served model answers in text only",
+    "prediction": "prediction (predicted outputs) is not supported",
+    "web_search_options": "web_search_options is not supported",
+    "reasoning_effort": "reasoning_effort is not supported: the served model has no reasoning mode",
+    "store": "store is not supported: completions are not stored",
+    "metadata": "metadata is only used with store, which is not supported",
+    "service_tier": "service_tier is not supported",
+    "top_a": "top_a is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "min_tokens": "min_tokens is not supported",
+    "guided_grammar": "guided_grammar (EBNF) is not supported; use guided_json, guided_regex or guided_choice",
+    "guided_decoding_backend": "guided_decoding_backend is not selectable: the server has one grammar engine",
+    "chat_template": "a request's own chat_template is not accepted: the model's template is used",
+    "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "documents": "documents is not supported",
+    "mm_processor_kwargs": "mm_processor_kwargs is not supported: the served model is text-only",
+    "priority": "priority is not supported: requests are served first come, first served",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported; use logit_bias",
+    "bad_words": "bad_words is not supported; use logit_bias",
+    "lora_request": "LoRA adapters are not supported",
+    "kv_transfer_params": "kv_transfer_params is not supported",
+    "tools": "tools (tool calling) is not supported yet",
+    "tool_choice": "tool_choice is not supported yet (no tool calling)",
+    "parallel_tool_calls": "parallel_tool_calls is not supported yet (no tool calling)",
+    "response_format": "response_format (structured output) is not supported yet",
+    "guided_json": "guided_json (structured output) is not supported yet",
+    "guided_regex": "guided_regex (structured output) is not supported yet",
+    "guided_choice": "guided_choice (structured output) is not supported yet",
+}
+
+
+def unsupported_fields(req: BaseModel) -> tuple[str, str] | None:
+    """(field, message) of the first field set in ``req`` that the server does not implement,
+    or None. Unknown fields get OpenAI's own message."""
+    for name, value in (req.model_extra or {}).items():
+        if value is None or (isinstance(value, (list, dict, str)) and not value):
+            continue  # clients send unused fields as null (or empty): nothing is asked of us
+        if name in REFUSED_FIELDS:
+            return name, REFUSED_FIELDS[name]
+        return name, f"Unrecognized request argument supplied: {name}"
+    return None
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept, so that unsupported_fields can name them (a 400), not dropped.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = bounded(None, minimum=1)
@@ -46,17 +110,41 @@ class _SamplingFields(BaseModel):
     min_p: float = bounded(0.0, minimum=0, maximum=1)
     repetition_penalty: float = bounded(1.0, exclusiveMinimum=0, maximum=2)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = bounded(None, maxProperties=MAX_LOGIT_BIAS_TOKENS)
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    best_of: int | None = bounded(None, minimum=1, maximum=16)
+
+
+PromptText = Annotated[str, Field(json_schema_extra={"minLength": 1})]
+PromptTokens = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+MAX_PROMPTS = 64  # prompts in one completions request (each runs n choices)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Annotated[str, Field(json_schema_extra={"minLength": 1})] | \
-        Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+    # One prompt, or a batch of them (OpenAI's four forms: text, texts, token ids, token-id lists).
+    prompt: PromptText | PromptTokens | \
+        Annotated[list[PromptText], Field(json_schema_extra={"minItems": 1, "maxItems": MAX_PROMPTS})] | \
+        Annotated[list[PromptTokens], Field(json_schema_extra={"minItems": 1, "maxItems": MAX_PROMPTS})]
     logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = False
+    # max_tokens 0 is accepted with echo (score a prompt: its logprobs, no new tokens), as OpenAI does.
+    max_tokens: int | None = bounded(None, minimum=0)
+    prompt_logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    """One turn. ``content`` is a string, a list of parts (``{"type": "text", "text": ...}``; other
+    part types are refused by name), or null on an assistant turn that carries ``tool_calls``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -84,3 +172,50 @@ class PromptVersionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: str
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+
+
+def message_text(message: ChatMessage) -> str | None:
+    """The text of a message's content: a string as is; text parts joined by newlines (vLLM's
+    rule); None for null content. Raises InvalidRequestError for any other part type."""
+    from fivefold.errors import InvalidRequestError
+
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in IMAGE_PART_TYPES:
+            raise InvalidRequestError(f"messages: content part {i} is of type '{kind}': the served model takes "
+                                      "text only (parts of type 'text')")
+        else:
+            raise InvalidRequestError(f"messages: content part {i} must be {{'type': 'text', 'text': str}}, "
+                                      f"got type {kind!r}")
+    return "\n".join(texts)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId]

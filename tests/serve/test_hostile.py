@@ -47,7 +47,7 @@ HOSTILE = [
     ("stop string of 2000 characters", "completions", {**OK, "stop": ["x" * 2000]}, 400,
      "each stop string must be at most 1024 characters"),
     ("prompt of wrong type", "completions", {**OK, "prompt": {"a": 1}}, 422, "prompt"),
-    ("negative token id", "completions", {**OK, "prompt": [-1]}, 400, "prompt token ids must be in"),
+    ("negative token id", "completions", {**OK, "prompt": [-1]}, 400, "prompt token id -1 is outside the vocabulary"),
     ("empty prompt", "completions", {**OK, "prompt": ""}, 400, "the prompt is empty"),
     ("not JSON", "completions", b'{"prompt": ', 400, "malformed JSON"),
     ("JSON array", "completions", b"[1, 2]", 422, ""),

@@ -88,7 +88,7 @@ def test_n_stop_seed_logprobs(client):
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' is not served here"),
     ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
-    ({"model": MODEL, "prompt": [70000]}, 400, "prompt token ids must be in [0, 49152)"),
+    ({"model": MODEL, "prompt": [70000]}, 400, "prompt token id 70000 is outside the vocabulary [0, 49152)"),
 ])
 def test_bad_completion_requests(server, body, status, message):
     r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
