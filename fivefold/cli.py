@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--batch", type=int, default=1, help="sequences per step")
     prof.add_argument("--seq", type=int, default=128, help="prompt (prefill) or context (decode) tokens")
     prof.add_argument("--iterations", type=int, default=4, help="engine steps profiled")
+    prof.add_argument("--structured-output", default="none", choices=["none", "json"],
+                      help="decode: constrain every sequence by a JSON schema (the grammar mask's cost per step "
+                           "shows in the sampling category)")
     prof.add_argument("--trace", default=None, help="Chrome trace path (default .fivefold/trace-MODE.json)")
     prof.add_argument("--server", default=None, help="a running fivefold server's URL: apply the batching rule "
                       "to its /metrics")
@@ -537,7 +540,8 @@ def cmd_profile(args) -> int:
 
     loaded = load_model(args.model, args.dtype)
     trace = args.trace or f".fivefold/trace-{args.mode}.json"
-    report = profile_llm(loaded, args.mode, args.batch, args.seq, args.iterations, trace_path=trace)
+    report = profile_llm(loaded, args.mode, args.batch, args.seq, args.iterations, trace_path=trace,
+                         structured_output=args.structured_output)
     if args.server:
         url = args.server.rstrip("/").removesuffix("/v1") + "/metrics"
         try:

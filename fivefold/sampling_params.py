@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from fivefold.errors import InvalidRequestError
@@ -21,6 +22,55 @@ def wrap_seed(seed: int) -> int:
     return (seed - SEED_MIN) % 2**64 + SEED_MIN
 
 
+MAX_CHOICES = 256  # alternatives of a structured_outputs choice
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain a request's output to a grammar (vLLM's ``StructuredOutputsParams``): exactly one
+    of ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of the given strings) or ``grammar`` (Lark syntax, llguidance's
+    dialect: rules, string literals, regexes, ``%json {schema}``). JSON is written compactly (no whitespace
+    between tokens) unless ``whitespace_flexible``: a model may then pad with whitespace until it
+    runs out of tokens. The grammar engine is fivefold/engine/structured_output.py."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
+                                       ("regex", self.regex is not None), ("choice", self.choice is not None),
+                                       ("grammar", self.grammar is not None)) if on]
+        if len(given) != 1:
+            raise InvalidRequestError(f"structured outputs take exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {given or 'none'}")
+        if isinstance(self.json, dict):  # stored as text, so the params stay hashable; key order is kept,
+            object.__setattr__(self, "json", json.dumps(self.json))  # since properties are written in it
+        if self.json is not None and not isinstance(self.json, str):
+            raise InvalidRequestError(f"a json schema must be an object or its JSON text, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            choice = tuple(self.choice) if isinstance(self.choice, (list, tuple)) else None
+            if not choice or len(choice) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choice):
+                raise InvalidRequestError(f"choice must be 1-{MAX_CHOICES} non-empty strings")
+            object.__setattr__(self, "choice", choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: 'json', 'json_object', 'regex', 'choice' or 'grammar'."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -35,6 +85,8 @@ class SamplingParams:
     tokens served from it are never run through the model. ``logit_bias`` maps token ids to
     values in [-100, 100] added to the logits before anything else (OpenAI's rule); a dict is
     accepted and stored as sorted (id, bias) pairs so the params stay hashable.
+    ``structured_outputs`` constrains the output to a grammar (:class:`StructuredOutputs`); the
+    request stops when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -55,6 +107,7 @@ class SamplingParams:
     n: int = 1
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):

@@ -19,12 +19,13 @@ from fivefold.engine.outputs import CompletionOutput, RequestOutput
 from fivefold.engine.sampler import Sampler
 from fivefold.engine.scheduler import Scheduler
 from fivefold.engine.sequence import Sequence
+from fivefold.engine.structured_output import GrammarCompiler
 from fivefold.errors import InvalidRequestError
 from fivefold.models.loader import LoadedModel
 from fivefold.sampling_params import SamplingParams
 
 
-def _stop_prefix_len(text: str, stops: list[str] | tuple[str, ...]) -> int:
+def stop_prefix_len(text: str, stops: list[str] | tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops`` (0 if none)."""
     if not text:
         return 0
@@ -62,6 +63,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
 
     def add_request(
         self,
@@ -81,6 +83,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         seq = Sequence(request_id, token_ids, params)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammar_compiler.compile(params.structured_outputs)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, token_ids)
         self.requests[request_id] = _RequestState(seq, detokenizer, text)
         self.scheduler.add(seq)
@@ -116,6 +120,26 @@ class LLMEngine:
         the vocabulary, or a prompt + max_tokens that cannot fit the context or the KV pool."""
         params.check_token_ids(self.loaded.config.vocab_size)
         self.validate_lengths(num_prompt_tokens, params.max_tokens)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.check(params.structured_outputs)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (made at first use; the server
+        makes it at start, see :meth:`warm_up_structured_output`)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf, self.loaded.config.vocab_size,
+                                                     self.tokenizer.eos_token_ids)
+        return self._grammar_compiler
+
+    def warm_up_structured_output(self) -> bool:
+        """Build the grammar engine's tables for this tokenizer now (~2-3 s), not in a request.
+        False when this tokenizer cannot take grammars (its requests are then refused by name)."""
+        try:
+            self.grammar_compiler.warm_up()
+        except InvalidRequestError:
+            return False
+        return True
 
     def validate_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Worst-case admission check: prompt + max_tokens must fit the context and the KV pool."""
@@ -179,7 +203,11 @@ class LLMEngine:
             if logprob is not None:
                 seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
             state.text += state.detokenizer.add([token_id])
+            if seq.grammar is not None:
+                seq.grammar.advance(token_id)
             self._check_stop(state, token_id)
+            if not seq.is_finished and seq.grammar is not None and seq.grammar.is_complete:
+                seq.finish("stop", token_id)  # the grammar is complete (its EOS even with ignore_eos)
             if seq.is_finished:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
@@ -210,7 +238,7 @@ class LLMEngine:
         seq = state.seq
         # Until the request finishes, a tail that could still grow into a stop string is held back, so a
         # streaming client never receives text that the final answer cuts (vLLM holds back the same way).
-        num_visible = len(state.text) if seq.is_finished else len(state.text) - _stop_prefix_len(
+        num_visible = len(state.text) if seq.is_finished else len(state.text) - stop_prefix_len(
             state.text, seq.params.stop)
         num_visible = max(num_visible, state.num_emitted_chars)
         delta = state.text[state.num_emitted_chars:num_visible]

@@ -1,7 +1,7 @@
 """Next-token selection for a batch of sequences: the owner of randomness.
 
 Rows are processed together where the operation is the same for every row
-(penalties, temperature, top-k/top-p/min-p masks), and drawn one row at a time
+(logit bias, penalties, grammar masks, temperature, top-k/top-p/min-p masks), and drawn one row at a time
 with the row's own generator, so a seeded request gets the same tokens whatever
 else shares its batch.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.engine.sequence import Sequence
+from fivefold.engine.structured_output import apply_grammar_masks
 
 
 @dataclass
@@ -101,6 +102,11 @@ class Sampler:
             logits = apply_logit_bias(logits.clone(), seqs)
         if any(s.params.has_penalties for s in seqs):
             logits = apply_penalties(logits.clone() if logits is raw else logits, seqs)
+        grammars = [s.grammar for s in seqs]
+        if any(g is not None for g in grammars):
+            with torch.profiler.record_function("fivefold::grammar_mask"):
+                logits = logits.clone() if logits is raw else logits
+                apply_grammar_masks(logits, grammars)
         greedy = [s.params.is_greedy for s in seqs]
         token_ids = logits.argmax(dim=-1).tolist()
         if not all(greedy):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from fivefold.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fivefold.engine.structured_output import Grammar
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)
     # entries of prompt tokens 1.. (SamplingParams.prompt_logprobs), in order, each computed once
     prompt_logprobs: list[dict] = field(default_factory=list)
+    grammar: "Grammar | None" = None  # SamplingParams.structured_outputs, compiled (structured_output.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

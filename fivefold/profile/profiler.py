@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from fivefold.profile.ops import CATEGORIES, categorize, op_cost, short_name
+from fivefold.profile.ops import CATEGORIES, SAMPLING_REGION, categorize, op_cost, short_name
 from fivefold.profile.roofline import MachinePeaks, OpCost, RooflinePoint, classify, measure_peaks
 
 ITERATION_REGION = "fivefold::iteration"
@@ -294,6 +294,15 @@ def analyse(events: list, num_iterations: int, wall_s: float, unprofiled_s: floa
     op_self_total = 0.0
     for e in events:
         if _is_annotation(e):
+            # A region's own time (outside the ops it calls) is Python or foreign code: overhead, except
+            # in the sampler, where it is sampling (its glue, and the grammar engine's mask, which is
+            # not a torch op).
+            if e.name != ITERATION_REGION and SAMPLING_REGION in _chain(e):
+                self_s = e.self_cpu_time_total / 1e6
+                op_self_total += self_s
+                category_s["sampling"] += self_s / n
+                entry = by_name[e.name]
+                entry[0], entry[1], entry[2] = "sampling", entry[1] + 1, entry[2] + self_s
             continue
         self_s = e.self_cpu_time_total / 1e6
         op_self_total += self_s

@@ -34,13 +34,23 @@ from fivefold.errors import (
 from fivefold.sampling_params import SamplingParams, wrap_seed
 from fivefold.serve.async_engine import AsyncEngine
 from fivefold.serve.protocol import (
+    MAX_TOOLS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     PromptVersionRequest,
     TokenizeRequest,
     message_text,
+    structured_outputs_of,
     unsupported_fields,
+)
+from fivefold.serve.tool_calls import (
+    ToolCallStream,
+    check_tool_request,
+    forced_call_grammar,
+    parse_tool_calls,
+    template_tool_call,
 )
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -344,14 +354,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     add_prompt_version_admin(app, admin_key, lambda: versions["current"], change_version)
 
-    def sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                 forced=None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop or (), ignore_eos=req.ignore_eos,
             logprobs=logprobs, n=req.n, logit_bias=req.logit_bias or (), stop_token_ids=req.stop_token_ids or (),
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs_of(req, forced),
         )
 
     def check_request(req) -> None:
@@ -499,7 +510,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             for c in body["choices"]:
                 if is_chat:
                     yield f"data: {json.dumps(head | {'choices': [{'index': c['index'], 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
-                    delta = {"index": c["index"], "delta": {"content": c["message"]["content"]}}
+                    message = c["message"]
+                    delta = {"index": c["index"], "delta": {"content": message["content"]}}
+                    if message.get("tool_calls"):
+                        delta["delta"]["tool_calls"] = [{"index": i, **call}
+                                                        for i, call in enumerate(message["tool_calls"])]
                 else:
                     delta = {"index": c["index"], "text": c["text"]}
                 yield f"data: {json.dumps(head | {'choices': [delta | {'logprobs': c['logprobs'], 'finish_reason': c['finish_reason']}]})}\n\n"
@@ -669,28 +684,58 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 raise APIError(400, f"messages[{i}]: content is required (null only on an assistant message with "
                                     "tool_calls)", f"messages.{i}.content")
             one = {"role": m.role, "content": text or ""}  # templates test content, or print None
-            one |= {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls),
-                                      ("tool_call_id", m.tool_call_id)) if v is not None}
+            one |= {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None}
+            if m.tool_calls:
+                one["tool_calls"] = [template_tool_call(c) for c in m.tool_calls]
             rendered.append(one)
         return rendered
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
-        prompt_ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tools and len(tools) > MAX_TOOLS:
+            raise APIError(400, f"tools: at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
+        asked = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        choice = check_tool_request(tools, asked, tokenizer.hf.chat_template)
+        calls_tools = choice != "none"
+        prompt_ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True,
+                                                   tools=tools if calls_tools else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.engine.max_model_len - len(prompt_ids))
         top = req.top_logprobs if req.top_logprobs is not None else 0
-        params = sampling(req, max_tokens, top if req.logprobs else None)
-        return await respond(
-            "chat", req, request, [prompt_ids], params,
-            choice_of=lambda o, k: {"message": {"role": "assistant", "content": o.outputs[0].text},
-                                    "logprobs": chat_logprobs(o.outputs[0].logprobs),
-                                    "finish_reason": o.outputs[0].finish_reason},
-            delta_of=lambda o, k: {"delta": {"content": o.delta_text}, "logprobs": chat_logprobs(new_entries(o)),
-                                   "finish_reason": o.outputs[0].finish_reason},
-        )
+        forced = forced_call_grammar(tools, choice, req.parallel_tool_calls) if calls_tools else None
+        params = sampling(req, max_tokens, top if req.logprobs else None,
+                          forced=("tool_choice", forced) if forced is not None else None)
+
+        def finish_reason(out, has_calls: bool) -> str | None:
+            reason = out.outputs[0].finish_reason
+            return "tool_calls" if has_calls and reason == "stop" else reason
+
+        def choice_of(out, k):
+            content, calls = parse_tool_calls(out.outputs[0].text) if calls_tools else (out.outputs[0].text, [])
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            return {"message": message, "logprobs": chat_logprobs(out.outputs[0].logprobs),
+                    "finish_reason": finish_reason(out, bool(calls))}
+
+        streams: dict[int, ToolCallStream] = {}
+
+        def delta_of(out, k):
+            if not calls_tools:
+                delta = {"content": out.delta_text}
+            else:
+                stream = streams.setdefault(k, ToolCallStream())
+                content, calls = stream.feed(out.delta_text, out.finished)
+                delta = {"content": content} if content or not calls else {}
+                if calls:
+                    first = stream.num_calls - len(calls)
+                    delta["tool_calls"] = [{"index": first + j, **c} for j, c in enumerate(calls)]
+            has_calls = calls_tools and streams[k].num_calls > 0
+            return {"delta": delta, "logprobs": chat_logprobs(new_entries(out)),
+                    "finish_reason": finish_reason(out, has_calls)}
+
+        return await respond("chat", req, request, [prompt_ids], params, choice_of, delta_of)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -732,6 +777,7 @@ def create_llm_server(spec: ServerSpec, api_key: str | None = None, admin_key: s
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     llm = LLM(spec.model, spec.dtype, **spec.engine_options)
+    llm.engine.warm_up_structured_output()  # the grammar engine's one-time tables, before the first request
     engine = AsyncEngine(llm.engine, ServerMetrics(spec.served_model_name),
                          max_queued_requests=spec.max_queued_requests, max_queued_tokens=spec.max_queued_tokens,
                          queue_timeout=spec.queue_timeout)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fivefold.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
+    StructuredOutputs,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -55,7 +56,6 @@ REFUSED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "min_tokens": "min_tokens is not supported",
-    "guided_grammar": "guided_grammar (EBNF) is not supported; use guided_json, guided_regex or guided_choice",
     "guided_decoding_backend": "guided_decoding_backend is not selectable: the server has one grammar engine",
     "chat_template": "a request's own chat_template is not accepted: the model's template is used",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
@@ -67,13 +67,6 @@ REFUSED_FIELDS = {
     "bad_words": "bad_words is not supported; use logit_bias",
     "lora_request": "LoRA adapters are not supported",
     "kv_transfer_params": "kv_transfer_params is not supported",
-    "tools": "tools (tool calling) is not supported yet",
-    "tool_choice": "tool_choice is not supported yet (no tool calling)",
-    "parallel_tool_calls": "parallel_tool_calls is not supported yet (no tool calling)",
-    "response_format": "response_format (structured output) is not supported yet",
-    "guided_json": "guided_json (structured output) is not supported yet",
-    "guided_regex": "guided_regex (structured output) is not supported yet",
-    "guided_choice": "guided_choice (structured output) is not supported yet",
 }
 
 
@@ -87,6 +80,15 @@ def unsupported_fields(req: BaseModel) -> tuple[str, str] | None:
             return name, REFUSED_FIELDS[name]
         return name, f"Unrecognized request argument supplied: {name}"
     return None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with {"name", "schema", "strict"}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -115,6 +117,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     best_of: int | None = bounded(None, minimum=1, maximum=16)
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, as vLLM's llguidance backend takes it
+    structured_outputs: dict[str, Any] | None = None
 
 
 PromptText = Annotated[str, Field(json_schema_extra={"minLength": 1})]
@@ -147,8 +156,39 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=0)
+    tools: Annotated[list[Tool], Field(json_schema_extra={"maxItems": MAX_TOOLS})] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = bounded(None, minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
@@ -219,3 +259,43 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+def structured_outputs_of(req, forced: tuple[str, StructuredOutputs] | None = None) -> StructuredOutputs | None:
+    """The output constraint a request asks for, from whichever of OpenAI's ``response_format``
+    and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` /
+    ``structured_outputs`` it uses, or ``forced`` ((field, grammar): a tool call that tool_choice
+    forces); at most one. Raises InvalidRequestError naming the field when malformed."""
+    from fivefold.errors import InvalidRequestError
+
+    asked = [forced] if forced is not None else []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputs(json_object=True)))
+        else:
+            schema = (fmt.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format: type json_schema needs json_schema.schema, a JSON schema "
+                                          "object")
+            asked.append(("response_format", StructuredOutputs(json=schema)))
+    if req.guided_json is not None:
+        asked.append(("guided_json", StructuredOutputs(json=req.guided_json)))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", StructuredOutputs(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", StructuredOutputs(choice=tuple(req.guided_choice))))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", StructuredOutputs(grammar=req.guided_grammar)))
+    if req.structured_outputs:
+        known = {"json", "json_object", "regex", "choice", "grammar", "whitespace_flexible"}
+        unknown = sorted(set(req.structured_outputs) - known)
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs: unsupported key(s) {unknown}; supported: {sorted(known)}")
+        try:
+            asked.append(("structured_outputs", StructuredOutputs(**req.structured_outputs)))
+        except TypeError as exc:
+            raise InvalidRequestError(f"structured_outputs: {exc}") from None
+    if len(asked) > 1:
+        raise InvalidRequestError(f"ask for one output constraint, not {len(asked)}: {[name for name, _ in asked]}")
+    return asked[0][1] if asked else None

@@ -93,8 +93,8 @@ def test_held_back_prefix_is_released_when_it_does_not_become_a_stop(llm, greedy
     ("aab", ["aabx", "bq"], 3), ("", ["a"], 0), ("zz", ["y"], 0), ("aa", ["aaa"], 2),
 ])
 def test_stop_prefix_len(text, stops, expected):
-    from fivefold.engine.llm_engine import _stop_prefix_len
-    assert _stop_prefix_len(text, stops) == expected
+    from fivefold.engine.llm_engine import stop_prefix_len
+    assert stop_prefix_len(text, stops) == expected
 
 
 def test_stop_token_id(llm, greedy):

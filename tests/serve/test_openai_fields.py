@@ -158,3 +158,51 @@ def test_tokenize_and_detokenize(server, offline):
     assert post(server, "/detokenize", {"tokens": [70000]}).status_code == 400
     assert post(server, "/tokenize", {}).status_code == 400
     assert post(server, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"}, "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def test_response_format_and_guided_fields(client):
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for temperature in (0, 1.0):
+        r = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, max_tokens=100,
+                                           temperature=temperature, seed=4, n=2)
+        for c in r.choices:
+            jsonschema.validate(json.loads(c.message.content), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                       max_tokens=150, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt,
+                                                 max_tokens=100, temperature=0, stream=True))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), PERSON)
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue?", max_tokens=5,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20,
+                                  extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert len(r.choices[0].text) == 8 and r.choices[0].text[3] == "-"
+    r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=5,
+                                  extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert r.choices[0].text in ("left", "right")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "ask for one output constraint, not 2"),
+    ({"guided_json": '{"type": '}, "the JSON schema is not valid JSON"),
+    ({"guided_regex": "([a-z"}, "the regex constraint does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+    ({"structured_outputs": {"grammar": "x"}}, "structured_outputs: unsupported key(s) ['grammar']"),
+])
+def test_bad_output_constraints_are_400(server, extra, message):
+    r = post(server, "/v1/completions", {"prompt": "hi", **extra})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
