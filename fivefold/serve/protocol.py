@@ -67,6 +67,7 @@ REFUSED_FIELDS = {
     "bad_words": "bad_words is not supported; use logit_bias",
     "lora_request": "LoRA adapters are not supported",
     "kv_transfer_params": "kv_transfer_params is not supported",
+    "prompt_logprobs": "prompt_logprobs is not a server field here: send echo with logprobs for the prompt's logprobs",
 }
 
 
@@ -140,7 +141,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # max_tokens 0 is accepted with echo (score a prompt: its logprobs, no new tokens), as OpenAI does.
     max_tokens: int | None = bounded(None, minimum=0)
-    prompt_logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):

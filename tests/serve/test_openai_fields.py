@@ -200,9 +200,31 @@ def test_response_format_and_guided_fields(client):
     ({"guided_json": '{"type": '}, "the JSON schema is not valid JSON"),
     ({"guided_regex": "([a-z"}, "the regex constraint does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
-    ({"structured_outputs": {"grammar": "x"}}, "structured_outputs: unsupported key(s) ['grammar']"),
+    ({"structured_outputs": {"ebnf": "x"}}, "structured_outputs: unsupported key(s) ['ebnf']"),
+    ({"guided_grammar": "x"}, "the grammar constraint does not compile"),
 ])
 def test_bad_output_constraints_are_400(server, extra, message):
     r = post(server, "/v1/completions", {"prompt": "hi", **extra})
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
+
+
+def test_every_refused_field_is_named_in_its_400(server):
+    from fivefold.serve.protocol import REFUSED_FIELDS
+
+    for name, reason in REFUSED_FIELDS.items():
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = post(server, path, {**body, name: "x", "max_tokens": 1})
+            assert r.status_code == 400, (name, r.text)
+            assert r.json()["error"] == {"message": reason, "type": "invalid_request_error", "param": name,
+                                         "code": "unsupported_field"}
+
+
+def test_tools_on_a_template_that_cannot_render_them(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert r.status_code == 400 and "does not render tools" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+                                              "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
