@@ -575,9 +575,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 await result_cache.put(key, body)
             return body
 
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
         def chunk(k, out):
             head = {"id": base_id, "object": chunk_object, "created": created, "model": model_name}
-            return head if out is None else head | {"choices": [{"index": k, **delta_of(out, k)}]}
+            if out is None:
+                return head
+            body = head | {"choices": [{"index": k, **delta_of(out, k)}]}
+            if continuous:  # vLLM's continuous_usage_stats: this choice's usage so far
+                num_prompt, num_out = len(prompts[k // params.n]), len(out.outputs[0].token_ids)
+                body["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_out,
+                                 "total_tokens": num_prompt + num_out}
+            return body
 
         def role_chunk(k):
             return chunk(None, None) | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""},

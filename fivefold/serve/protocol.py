@@ -36,7 +36,10 @@ TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 # OpenAI and vLLM request fields that are refused when set (not None, not empty), with why.

@@ -228,3 +228,17 @@ def test_tools_on_a_template_that_cannot_render_them(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
                                               "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_continuous_usage_stats_in_every_chunk(server):
+    import json
+
+    body = {"prompt": "Count:", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+    bad = post(server, "/v1/completions", {**body, "stream_options": {"include_usage": True, "per_token": True}})
+    assert bad.status_code == 422 and "per_token" in bad.json()["error"]["message"]
