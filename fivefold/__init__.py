@@ -1,11 +1,11 @@
 """Fivefold: fast model inference along five levers, each gain measured.
 
-``from fivefold import LLM, SamplingParams``. Heavy modules load on first use so
+``from fivefold import LLM, SamplingParams`` (and ``StructuredOutputs``). Heavy modules load on first use so
 that ``fivefold --help`` stays fast.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,8 +13,8 @@ def __getattr__(name: str):
         from fivefold.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from fivefold.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputs"):
+        from fivefold import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'fivefold' has no attribute '{name}'")
