@@ -22,7 +22,7 @@ from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.engine.config import EngineConfig  # noqa: E402
 from fivefold.engine.llm_engine import LLMEngine  # noqa: E402
 from fivefold.models import load_model  # noqa: E402
-from fivefold.data import corpus_ids  # noqa: E402
+from fivefold.eval.text import corpus_ids  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.sampling_params import SamplingParams  # noqa: E402
 

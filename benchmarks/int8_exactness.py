@@ -25,7 +25,7 @@ import fivefold.quant.linear as int8_linear  # noqa: E402
 from fivefold.bench.report import json_line, results_table  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
 from fivefold.quant.config import Int8Config  # noqa: E402
-from fivefold.quant.kernels import LIBRARY_KERNELS, w8a8_kernel  # noqa: E402
+from fivefold.quant.int8_backends import LIBRARY_KERNELS, w8a8_kernel  # noqa: E402
 from fivefold.quant.primitives import sqnr_db  # noqa: E402
 from fivefold.quant.quantize import quantize_  # noqa: E402
 
@@ -76,7 +76,8 @@ def mlp_rows() -> list[dict]:
 
 
 def qat_row() -> dict:
-    from fivefold.quant.digits import DigitsCNN, accuracy, load_digits_split, train
+    from fivefold.models.cnn import DigitsCNN
+    from fivefold.eval.digits import accuracy, load_digits_split, train
     from fivefold.quant.qat import convert, prepare_qat
 
     data = load_digits_split()

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line  # noqa: E402
-from fivefold.quant import kernels  # noqa: E402
+from fivefold.quant import int8_backends  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -59,7 +59,7 @@ def main() -> None:
             w = torch.randn(n, k) * 0.05
             x = torch.randn(m, k)
             ref = x @ w.T
-            for cand, fn in kernels.candidates(w, x).items():
+            for cand, fn in int8_backends.candidates(w, x).items():
                 if fn is None:
                     continue
                 out = fn()
@@ -82,7 +82,7 @@ def main() -> None:
     summary = {f"M={m} {kern}": round(base_total / t, 3) for (m, kern), t in totals.items()
                for base_total in [totals[(m, "fp32-packed")]]}
     Console(width=120).print("sum over the five shapes, speed-up vs fp32-packed:", summary)
-    chosen = {mode: kernels.w8a8_kernel(mode) for mode in kernels.LIBRARY_KERNELS}
+    chosen = {mode: int8_backends.w8a8_kernel(mode) for mode in int8_backends.LIBRARY_KERNELS}
     Console(width=120).print("W8A8 kernel per activation mode on this CPU:", chosen)
     print(json_line({"benchmark": "int8_kernels", "threads": torch.get_num_threads(), "results": results,
                      "summary": summary, "chosen": chosen}))

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line  # noqa: E402
-from fivefold.data import corpus_ids  # noqa: E402
+from fivefold.eval.text import corpus_ids  # noqa: E402
 from fivefold.llm import LLM  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode import hf_decode_tok_s, ours_decode_tok_s  # noqa: E402
 
 from fivefold.bench.report import json_line  # noqa: E402
-from fivefold.data import corpus_ids, corpus_prompts  # noqa: E402
+from fivefold.eval.text import corpus_ids, corpus_prompts  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
@@ -71,7 +71,7 @@ def prompts_for(tokenizer, num: int) -> list[list[int]]:
 def load_fivefold(system: str):
     """The loaded model of a fivefold system; its weight bytes per token; its arithmetic's dtype."""
     from fivefold.quant.config import Int8Config
-    from fivefold.quant.evaluate import llm_forward
+    from fivefold.eval.language import llm_forward
     from fivefold.quant.quantize import quantize_
 
     variant = system.removeprefix("fivefold-")

@@ -59,7 +59,7 @@ def llm_report(console, quick: bool) -> list[dict]:
 
     from fivefold.models import load_model
     from fivefold.models.registry import DEFAULT_LLM
-    from fivefold.quant.evaluate import text_windows
+    from fivefold.eval.text import text_windows
     from fivefold.quant.llm_quantize import QuantizeJob, build_quantized, evaluate
 
     base_job = QuantizeJob(DEFAULT_LLM, Int8Config(), "/tmp/fivefold-quant-scan", num_eval=4 if quick else 8)
@@ -95,7 +95,7 @@ def llm_report(console, quick: bool) -> list[dict]:
 
 
 def _sentences(num: int) -> list[str]:
-    from fivefold.data import pydoc_text
+    from fivefold.eval.text import pydoc_text
 
     words = pydoc_text("heldout").split()
     return [" ".join(words[i:i + 24]) for i in range(0, 24 * num, 24)]
@@ -156,7 +156,9 @@ def minilm_report(console, quick: bool) -> list[dict]:
 def digits_report(console) -> list[dict]:
     from rich.table import Table
 
-    from fivefold.quant.digits import DigitsCNN, accuracy, load_digits_split, train
+    from fivefold.models.cnn import DigitsCNN
+
+    from fivefold.eval.digits import accuracy, load_digits_split, train
     from fivefold.quant.qat import convert, prepare_qat
 
     data = load_digits_split()

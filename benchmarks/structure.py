@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line, results_table  # noqa: E402
 from fivefold.compress.digits_report import DigitsPlan, run_digits_report  # noqa: E402
-from fivefold.compress.sensitivity import scan_table  # noqa: E402
+from fivefold.compress.pruning_sensitivity import scan_table  # noqa: E402
 
 
 def digits(console) -> dict:

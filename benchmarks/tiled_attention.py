@@ -24,7 +24,7 @@ _CHILD = r"""
 import json, resource, sys, time
 import torch
 sys.path.insert(0, {root!r})
-from fivefold.fuse.tiled_attention import naive_attention, tiled_attention
+from fivefold.models.tiled_attention import naive_attention, tiled_attention
 from fivefold.models.attention import _sdpa
 n, kind = {n}, {kind!r}
 g = torch.Generator().manual_seed(0)

@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-attention", default="kernel", choices=["kernel", "torch"],
                    help="kernel: the C++ paged decode kernel (default); torch: gather + SDPA")
     p.add_argument("--prefill-attention", default="sdpa", choices=["sdpa", "tiled"],
-                   help="sdpa: PyTorch's flash-attention kernel (default); tiled: fivefold.fuse.tiled_attention")
+                   help="sdpa: PyTorch's flash-attention kernel (default); tiled: fivefold.models.tiled_attention")
     p.add_argument("--hot-path", default="fused", choices=["fused", "eager"],
                    help="fused: add+RMSNorm, SiLU*up and RoPE as one C++ kernel each (default); eager: PyTorch ops")
     p.add_argument("--decode-loop", default="cpp", choices=["cpp", "python"],
@@ -292,7 +292,8 @@ def cmd_env(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from fivefold.platform import current_platform, kernel_choices
+    from fivefold.kernel_report import kernel_choices
+    from fivefold.platform import current_platform
 
     description = current_platform().describe()
     choices = kernel_choices()

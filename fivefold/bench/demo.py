@@ -143,7 +143,7 @@ def _structure_rows(epochs: int, console) -> list[LeverRow]:
     from fivefold.compress.distill import DistillConfig, distill
     from fivefold.compress.structured import prune_channels
     from fivefold.models.cnn import DigitsResNet
-    from fivefold.quant.digits import load_digits_split, train
+    from fivefold.eval.digits import load_digits_split, train
 
     console.print("  running: digits ResNet, pruning and distillation ...")
     torch.manual_seed(0)

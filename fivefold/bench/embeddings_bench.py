@@ -14,7 +14,7 @@ import time
 from fivefold.batching.batcher import DynamicBatcher
 from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig
 from fivefold.batching.encoder import EncoderModel
-from fivefold.data import pydoc_text
+from fivefold.eval.text import pydoc_text
 
 MODES = ("off", "no buckets", "buckets")
 

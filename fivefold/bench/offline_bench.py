@@ -66,8 +66,9 @@ def prepared_model(config: dict, loaded=None):
         loaded = load_model(config["model"], config["dtype"])
         current = None
     if wanted is not None and current is None:
+        from fivefold.eval.language import llm_forward
+        from fivefold.eval.text import text_windows
         from fivefold.quant.config import Int8Config
-        from fivefold.quant.evaluate import llm_forward, text_windows
         from fivefold.quant.quantize import quantize_
 
         qconfig = Int8Config.from_dict(wanted)
@@ -78,7 +79,7 @@ def prepared_model(config: dict, loaded=None):
 
 
 def _prompts(tokenizer, config: dict) -> list[list[int]]:
-    from fivefold.data import corpus_ids, corpus_prompts
+    from fivefold.eval.text import corpus_ids, corpus_prompts
 
     ids = corpus_ids(tokenizer, "heldout")
     own = corpus_prompts(ids, config["num_requests"], config["input_len"], seed=config["seed"])
@@ -88,6 +89,7 @@ def _prompts(tokenizer, config: dict) -> list[list[int]]:
 
 def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[str, Any]:
     """Run the workload of ``config``; return its metrics. ``loaded`` reuses a loaded model."""
+    from fivefold.eval.language import decode_rate
     from fivefold.llm import LLM
     from fivefold.sampling_params import SamplingParams
 
@@ -106,22 +108,20 @@ def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[s
     stats = llm.engine.stats()
     quality = {}
     if config.get("eval_windows"):
-        from fivefold.quant.evaluate import language_metrics, text_windows
+        from fivefold.eval.language import language_metrics
+        from fivefold.eval.text import text_windows
 
         windows = text_windows(llm.tokenizer, "heldout", config["eval_windows"], 256)
         ppl, acc = language_metrics(loaded.model, windows)
         quality = {"heldout_perplexity": ppl, "heldout_next_token_accuracy": acc}
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_prompt = sum(len(p) for p in prompts)
-    # Decode rate: tokens after each request's first, over the span from the first first-token
-    # to the last finish (prefill excluded, the batch's decode steps included).
-    decode_span = (max(o.metrics.finished_time for o in outputs) - min(o.metrics.first_token_time for o in outputs))
     ttfts = [o.metrics.ttft for o in outputs]
     e2es = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
     return {
         "duration_s": elapsed,
         "output_tok_s": num_out / elapsed,
-        "decode_tok_s": (num_out - len(outputs)) / decode_span if decode_span > 0 else 0.0,
+        "decode_tok_s": decode_rate(outputs),
         "total_tok_s": (num_out + num_prompt) / elapsed,
         "ttft_s": latency_stats(ttfts),
         "e2e_s": latency_stats(e2es),

@@ -52,7 +52,7 @@ def make_prompts(dataset: str, num: int, input_len: int, seed: int, vocab_size: 
         prefixes = [tokens(input_len * 3 // 4) for _ in range(num_prefixes)]
         return [p + tokens(input_len - len(p)) for p in (rng.choice(prefixes) if num_prefixes > 1 else prefixes[0] for _ in range(num))]
     if dataset == "pydoc":  # the default model's tokenizer over pydoc_data's English
-        from fivefold.data import corpus_ids
+        from fivefold.eval.text import corpus_ids
         from fivefold.models.gguf_file import open_gguf
         from fivefold.models.registry import resolve_model_path
         from fivefold.models.tokenizer import load_gguf_tokenizer

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from fivefold.compress.distill import DistillConfig, distill
-from fivefold.compress.sensitivity import ratios_for_flops_target, sensitivity_scan
+from fivefold.compress.pruning_sensitivity import pruning_sensitivity_scan, ratios_for_flops_target
 from fivefold.compress.structured import count_flops, count_parameters, prune_channels
 from fivefold.compress.unstructured import magnitude_prune_, remove_masks_, sparsity_of
 from fivefold.fuse.layout import median_us
 from fivefold.models.cnn import DigitsResNet
-from fivefold.quant.digits import DigitsData, accuracy, load_digits_split, train
+from fivefold.eval.digits import DigitsData, accuracy, load_digits_split, train
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def run_digits_report(plan: DigitsPlan = DigitsPlan(), log: Callable[[str], None
     rows = [measure("original", teacher, data)]
 
     log("sensitivity scan (calibration split)")
-    scan = sensitivity_scan(teacher, (x,), lambda m: accuracy(m, data.calibration), plan.sensitivity_ratios)
+    scan = pruning_sensitivity_scan(teacher, (x,), lambda m: accuracy(m, data.calibration), plan.sensitivity_ratios)
     target = ratios_for_flops_target(teacher, (x,), scan, 0.5)
     from_scan = train(prune_channels(teacher, (x,), target), data.train, plan.finetune_epochs, lr=plan.finetune_lr)
     rows.append(measure("per-group ratios from the scan (50% FLOPs) + fine-tune", from_scan, data))

@@ -99,7 +99,7 @@ def print_rows(console, title: str, rows: list[dict]) -> None:
 def _train_digits_teacher(log):
     from fivefold.compress.digits_report import DigitsPlan
     from fivefold.models.cnn import DigitsResNet
-    from fivefold.quant.digits import load_digits_split, train
+    from fivefold.eval.digits import load_digits_split, train
 
     plan = DigitsPlan()
     torch.manual_seed(0)
@@ -118,10 +118,10 @@ def run_prune(job: PruneJob, console) -> dict:
 
 def _prune_digits(job: PruneJob, console) -> dict:
     from fivefold.compress.digits_report import iterative_prune
-    from fivefold.compress.sensitivity import save_scan, scan_table, sensitivity_scan
+    from fivefold.compress.pruning_sensitivity import pruning_sensitivity_scan, save_pruning_scan, scan_table
     from fivefold.compress.structured import prune_channels
     from fivefold.compress.unstructured import magnitude_prune_, remove_masks_
-    from fivefold.quant.digits import accuracy, train
+    from fivefold.eval.digits import accuracy, train
 
     if job.attention_groups or job.heal_steps:
         raise FivefoldError("--attention-groups and --heal-steps apply to LLMs, not digits-resnet")
@@ -130,7 +130,8 @@ def _prune_digits(job: PruneJob, console) -> dict:
     importance = job.importance or "l1"
     scan = None
     if job.sensitivity:
-        scan = sensitivity_scan(original, (x,), lambda m: accuracy(m, data.calibration), importance=importance)
+        scan = pruning_sensitivity_scan(original, (x,), lambda m: accuracy(m, data.calibration),
+                                        importance=importance)
         console.print(scan_table(scan, "calibration accuracy drop when one channel group alone is pruned"))
     if job.unstructured is not None:
         pruned = copy.deepcopy(original)
@@ -156,7 +157,7 @@ def _prune_digits(job: PruneJob, console) -> dict:
     report = {"model": DIGITS, "job": dataclasses.asdict(job), "rows": rows}
     out = _write(job.out_dir, report, model=pruned)
     if scan is not None:
-        save_scan(scan, out / "sensitivity.json")
+        save_pruning_scan(scan, out / "sensitivity.json")
     torch.save(original.state_dict(), out / "original_state_dict.pt")  # the regression baseline
     return report
 
@@ -165,7 +166,7 @@ def _prune_llm(job: PruneJob, console) -> dict:
     from fivefold.compress.llm_prune import prune_attention_groups_, prune_mlp_neurons_
     from fivefold.compress.llm_report import kd_heal_, llm_rows
     from fivefold.models import load_model
-    from fivefold.quant.evaluate import text_windows
+    from fivefold.eval.text import text_windows
 
     if job.unstructured is not None or job.iterative or job.sensitivity:
         raise FivefoldError("--unstructured, --iterative and --sensitivity apply to digits-resnet; "
@@ -221,7 +222,7 @@ def run_distill(job: DistillJob, console) -> dict:
     from fivefold.compress.llm_prune import every_other_layer_student
     from fivefold.compress.llm_report import kd_heal_, llm_rows
     from fivefold.models import load_model
-    from fivefold.quant.evaluate import text_windows
+    from fivefold.eval.text import text_windows
 
     teacher = load_model(job.teacher, "float32")
     steps = job.steps or 40

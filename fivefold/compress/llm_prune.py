@@ -30,6 +30,7 @@ from torch import nn
 
 from fivefold.compress.distill import every_other_layer
 from fivefold.errors import FivefoldError
+from fivefold.eval.language import prefill_logits
 from fivefold.models.layers import linear_from
 
 LLM_IMPORTANCES = ("activation", "l2", "taylor")
@@ -48,13 +49,6 @@ def make_trainable_(model: nn.Module) -> nn.Module:
     return model
 
 
-def train_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, vocab] of one sequence with autograd (a single prefill)."""
-    from fivefold.quant.evaluate import prefill_logits
-
-    return prefill_logits(model, ids)
-
-
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = getattr(linear, "bias", None)
     return linear.weight.detach(), None if bias is None else bias.detach()
@@ -69,18 +63,22 @@ def _with_config(loaded, model, **changes):
     return dataclasses.replace(loaded, config=config)
 
 
-def _taylor_grads(loaded, calibration: list[list[int]]) -> dict[str, torch.Tensor]:
-    """dL/dW of the next-token loss over ``calibration``, on a trainable copy of the model."""
-    model = make_trainable_(copy.deepcopy(loaded.model))
-    for ids in calibration:
-        ids = torch.tensor(ids)
-        torch.nn.functional.cross_entropy(train_logits(model, ids)[:-1], ids[1:]).backward()
-    return {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+def _next_token_grads(loaded, calibration: list[list[int]]) -> dict[str, torch.Tensor]:
+    """dL/dW of the next-token loss over ``calibration`` (one backward per window), on a trainable
+    copy of the model."""
+    from fivefold.compress.structured import taylor_grads
+
+    def backward(model) -> None:
+        for ids in calibration:
+            ids = torch.tensor(ids)
+            torch.nn.functional.cross_entropy(prefill_logits(model, ids)[:-1], ids[1:]).backward()
+
+    return taylor_grads(make_trainable_(copy.deepcopy(loaded.model)), backward)
 
 
 def _mean_activations(loaded, calibration: list[list[int]]) -> list[torch.Tensor]:
     """Mean |silu(gate) x up| per MLP neuron of every layer over the calibration tokens."""
-    from fivefold.quant.evaluate import sequence_logits
+    from fivefold.eval.language import sequence_logits
 
     sums = [torch.zeros(loaded.config.intermediate_size) for _ in loaded.model.layers]
     hooks = [layer.mlp.act.register_forward_hook(lambda m, inp, out, i=i: sums[i].add_(out.abs().sum(0)))
@@ -107,7 +105,7 @@ def prune_mlp_neurons_(loaded, ratio: float, importance: str = "activation",
         raise FivefoldError(f"importance '{importance}' needs calibration text (token windows)")
     inter = loaded.config.intermediate_size
     num_keep = inter - int(inter * ratio)
-    grads = _taylor_grads(loaded, calibration) if importance == "taylor" else None
+    grads = _next_token_grads(loaded, calibration) if importance == "taylor" else None
     activations = _mean_activations(loaded, calibration) if importance == "activation" else None
     for i, layer in enumerate(loaded.model.layers):
         mlp = layer.mlp
@@ -119,7 +117,7 @@ def prune_mlp_neurons_(loaded, ratio: float, importance: str = "activation",
         elif grads is None:
             score = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
         else:
-            g_gu, g_d = grads[f"layers.{i}.mlp.gate_up_proj.weight"], grads[f"layers.{i}.mlp.down_proj.weight"]
+            g_gu, g_d = grads[f"layers.{i}.mlp.gate_up_proj"], grads[f"layers.{i}.mlp.down_proj"]
             score = ((gate * g_gu[:inter]).sum(1) + (up * g_gu[inter:]).sum(1) + (down * g_d).sum(0)).abs()
         keep = score.topk(num_keep).indices.sort().values
         rows = torch.cat([keep, keep + inter])

@@ -14,7 +14,8 @@ import time
 import torch
 
 from fivefold.compress.distill import kd_loss, temperature_at
-from fivefold.compress.llm_prune import make_trainable_, prune_mlp_neurons_, train_logits
+from fivefold.compress.llm_prune import make_trainable_, prune_mlp_neurons_
+from fivefold.eval.language import prefill_logits
 
 
 def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: int, lr: float = 3e-5,
@@ -26,10 +27,10 @@ def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: in
     for step in range(steps):
         ids = torch.tensor(windows[step % len(windows)])
         with torch.inference_mode():
-            teacher_logits = train_logits(teacher_loaded.model, ids).clone()
+            teacher_logits = prefill_logits(teacher_loaded.model, ids).clone()
         t = temperature_at(step, steps, t_start, t_end, "cosine")
         labels = ids[1:] if alpha < 1 else None
-        student_logits = train_logits(student, ids)
+        student_logits = prefill_logits(student, ids)
         if labels is not None:
             student_logits, teacher_logits = student_logits[:-1], teacher_logits[:-1]
         loss = kd_loss(student_logits, teacher_logits, labels, t, alpha)
@@ -46,8 +47,8 @@ def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: in
 def llm_rows(pairs, windows: list[list[int]]) -> list[dict]:
     """Parameters, held-out perplexity and single-stream decode tok/s (best of 2) of each
     (name, LoadedModel), with the change against the first."""
-    from fivefold.quant.evaluate import perplexity
-    from fivefold.quant.llm_quantize import decode_speed
+    from fivefold.eval.language import perplexity
+    from fivefold.eval.language import decode_speed
 
     rows = [{"variant": name, "parameters": loaded.config.num_parameters(),
              "perplexity": perplexity(loaded.model, windows), "decode_tok_s": decode_speed(loaded, 1, 64)}
@@ -70,7 +71,7 @@ def print_llm_rows(console, title: str, rows: list[dict]) -> None:
 def run_llm_report(model_name: str = "smollm2-135m-instruct", ratio: float = 0.25, heal_steps: int = 40,
                    num_eval: int = 8, window: int = 256, console=None) -> dict:
     from fivefold.models import load_model
-    from fivefold.quant.evaluate import text_windows
+    from fivefold.eval.text import text_windows
 
     log = console.print if console is not None else print
     original = load_model(model_name, "float32")

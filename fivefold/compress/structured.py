@@ -194,11 +194,14 @@ def _channel_importance(model: nn.Module, group: ChannelGroup, importance: str,
     return score
 
 
-def _taylor_grads(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> dict[str, torch.Tensor]:
+def taylor_grads(model: nn.Module, backward: Callable[[nn.Module], None]) -> dict[str, torch.Tensor]:
+    """{module name: dL/dW} of every Conv2d and Linear weight, after ``backward(model)`` (in eval
+    mode) has run the loss's backward pass, or several (the gradients add up): the Taylor
+    importance's first factor, for the CNN channel groups here and the LLM's MLP neurons."""
     model.zero_grad()
     was_training = model.training
     model.eval()
-    loss_fn(model).backward()
+    backward(model)
     model.train(was_training)
     grads = {n: m.weight.grad.detach().clone() for n, m in model.named_modules()
              if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.grad is not None}
@@ -268,7 +271,7 @@ def prune_channels(model: nn.Module, example_inputs: tuple, ratio: float | dict[
             raise FivefoldError(f"pruning ratios must be in [0, 1), got {value}")
     pruned = copy.deepcopy(model)
     groups = channel_groups(pruned, example_inputs)
-    grads = _taylor_grads(pruned, loss_fn) if importance == "taylor" else None
+    grads = taylor_grads(pruned, lambda m: loss_fn(m).backward()) if importance == "taylor" else None
     # Every (module, dim) belongs to one group, so all choices are made on the unpruned weights
     # first and then applied in any order.
     plan = []

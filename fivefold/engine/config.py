@@ -48,7 +48,7 @@ class EngineConfig:
     float32; faster here than torch.compile of the same code, see
     benchmarks/fused_hot_path.py); "eager" runs them as separate PyTorch ops.
     prefill_attention: "sdpa" calls PyTorch's SDPA, which on CPU is a C++ flash-attention
-    kernel (tiled, online softmax); "tiled" runs fivefold.fuse.tiled_attention, the same
+    kernel (tiled, online softmax); "tiled" runs fivefold.models.tiled_attention, the same
     algorithm written in PyTorch ops. Neither holds the N x N scores. SDPA is the default
     because it measured faster at every length (benchmarks/tiled_attention.py).
     decode_loop: "cpp" runs the decoder's layer loop of a decode-only step in one C++ call

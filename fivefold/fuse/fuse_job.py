@@ -69,7 +69,7 @@ def build_fusable(name: str, image_size: int = 224, seq_len: int = 64):
     if model_type != "bert":
         raise FivefoldError(f"fuse rewrites CNNs and BERT encoders; '{name}' is {model_type or 'not a BERT directory'}. "
                             "LLMs are fused by the engine itself (see --hot-path)")
-    from fivefold.data import pydoc_text
+    from fivefold.eval.text import pydoc_text
     from fivefold.models.bert import load_bert
     from fivefold.models.tokenizer import load_hf_tokenizer
 

@@ -53,10 +53,10 @@ def _load(name: str) -> object | None:
         import torch
         from torch.utils.cpp_extension import load_inline
 
-        from fivefold.models.tokenizer import cache_dir
+        from fivefold.paths import kernel_build_root
         from fivefold.platform import current_platform
 
-        build_dir = cache_dir() / "torch_extensions" / build_dir_name(name)
+        build_dir = kernel_build_root() / build_dir_name(name)
         build_dir.mkdir(parents=True, exist_ok=True)
         load_inline(
             name=f"fivefold_{name}",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fivefold.fuse.tiled_attention import tiled_attention
+from fivefold.models.tiled_attention import tiled_attention
 from fivefold.kernels import paged_attention_ops
 
 
@@ -34,7 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
     block_size: int
     use_decode_kernel: bool = True  # False: gather + SDPA even where the C++ kernel is available
-    use_tiled_prefill: bool = False  # True: prompts and chunks through fivefold.fuse.tiled_attention
+    use_tiled_prefill: bool = False  # True: prompts and chunks through fivefold.models.tiled_attention
     _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

@@ -9,6 +9,7 @@ exist to measure and test `fivefold.fuse`, not to classify anything.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -142,3 +143,20 @@ class DigitsResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layer2(self.layer1(self.relu(self.bn1(self.conv1(x)))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class DigitsCNN(nn.Module):
+    """A small CNN for the 8x8 digits (fivefold/eval/digits.py): the model on which post-training
+    quantization and QAT are compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 2 * 2, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 16, 4, 4]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # [B, 32, 2, 2]
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))

@@ -15,13 +15,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from fivefold.models.tokenizer import cache_dir
+from fivefold.paths import fingerprints_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".json")  # .json: config and tokenizer
 
 
 def _digest_store() -> Path:
-    return cache_dir() / "fingerprints.json"
+    return fingerprints_file()
 
 
 def _load_store() -> dict[str, str]:

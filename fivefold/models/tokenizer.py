@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ModelLoadError
+from fivefold.paths import tokenizer_cache_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FIVEFOLD_CACHE", Path.home() / ".cache" / "fivefold"))
 
 
 def _quiet_transformers() -> None:
@@ -94,7 +91,7 @@ def load_gguf_tokenizer(path: Path, reader, eos_token_ids: tuple[int, ...] = ())
         raise ModelLoadError(f"no tokenizer found in {path} (GGUF metadata has no tokenizer.ggml.tokens)")
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / key
+    cached = tokenizer_cache_dir() / key
     if (cached / "tokenizer.json").exists():
         return load_hf_tokenizer(cached, eos_token_ids)
     _quiet_transformers()

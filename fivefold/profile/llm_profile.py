@@ -3,7 +3,7 @@
 prefill: ``batch`` prompts of ``seq`` tokens each, computed in one engine step (the
 step's token budget is raised to fit them) and one token sampled for each.
 decode: ``batch`` sequences with ``seq``-token contexts, one new token each per step.
-Prompts are cut from pydoc_data's English text (fivefold/data.py); prefix caching is off so that every
+Prompts are cut from pydoc_data's English text (fivefold/eval/text.py); prefix caching is off so that every
 iteration computes what it claims to. ``structured_output="json"`` constrains every decoding
 sequence by :data:`PROFILE_SCHEMA` (a JSON object whose one string is long enough never to
 close within the profiled steps), so the grammar mask runs each step.
@@ -11,7 +11,7 @@ close within the profiled steps), so the grammar mask runs each step.
 
 from __future__ import annotations
 
-from fivefold.data import corpus_ids, corpus_prompts
+from fivefold.eval.text import corpus_ids, corpus_prompts
 from fivefold.profile.profiler import ProfileReport, profile
 
 MODES = ("prefill", "decode")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.models.tokenizer import cache_dir
+from fivefold.paths import peaks_file
 
 BANDWIDTH_BYTES = 256 << 20  # well past any last-level cache
 GEMM_SIZE = 2048
@@ -113,7 +113,7 @@ def measure_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, rep
     """FLOP/s of a square GEMM in ``dtype`` (int8: the kernel W8A8 per-token runs on this CPU, int32
     accumulation: ``torch._int_mm`` where it is exact, our exact kernel elsewhere)."""
     if dtype == torch.int8:
-        from fivefold.quant.kernels import int8_matmul_exact, w8a8_kernel
+        from fivefold.quant.int8_backends import int8_matmul_exact, w8a8_kernel
 
         a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
         b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
@@ -139,7 +139,7 @@ def machine_key() -> str:
 def measure_peaks(cache_path: str | Path | None = None, refresh: bool = False,
                   dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> MachinePeaks:
     """This machine's peaks, from the cache when measured before (a few seconds otherwise)."""
-    path = Path(cache_path) if cache_path else cache_dir() / "peaks.json"
+    path = Path(cache_path) if cache_path else peaks_file()
     key = machine_key()
     cached = {}
     if path.exists():

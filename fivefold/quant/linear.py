@@ -4,7 +4,7 @@ Kernel per scheme, chosen by ``benchmarks/int8_kernels.py`` on a 2-core AVX-512 
 machine (sums over SmolLM2's projection shapes, speed-up against the float32
 oneDNN-packed linear). The W8A8 library kernels run only where they are exact on this
 CPU (VNNI); elsewhere W8A8 runs our exact ``fivefold::int8_int8_matmul``
-(``fivefold.quant.kernels.w8a8_kernel``). The kernel a module runs shows in its repr
+(``fivefold.quant.int8_backends.w8a8_kernel``). The kernel a module runs shows in its repr
 (``kernel=...``) and in the quantize report.
 
 | scheme, activations | kernel | 1 row | 8 rows | 32 rows |
@@ -34,7 +34,7 @@ from torch import nn
 
 from fivefold.kernels import int8_ops
 from fivefold.quant.config import Int8Config
-from fivefold.quant.kernels import (
+from fivefold.quant.int8_backends import (
     EXACT_FALLBACK,
     EXACT_KERNEL,
     onednn_prepack,
@@ -113,7 +113,7 @@ class Int8Linear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs on this CPU (see :func:`fivefold.quant.kernels.w8a8_kernel`)."""
+        """The kernel this layer runs on this CPU (see :func:`fivefold.quant.int8_backends.w8a8_kernel`)."""
         if self.scheme == "w8a16":
             return "fivefold-w8a16" if int8_ops() is not None else "dequant-tiles"
         return w8a8_kernel(self.activation_mode)

@@ -15,15 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.eval.language import decode_speed, language_metrics, llm_forward, next_token_accuracy, perplexity
+from fivefold.eval.text import text_windows
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
-from fivefold.quant.evaluate import (
-    language_metrics,
-    llm_forward,
-    next_token_accuracy,
-    perplexity,
-    text_windows,
-)
 from fivefold.quant.linear import Int8Linear, kernels_used
 
 
@@ -42,17 +37,6 @@ class QuantizeJob:
     speed_tokens: int = 48
 
 
-def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float:
-    """Decode tokens/s of ``batch`` concurrent 64-token prompts on the serving engine: the best
-    of ``repeats`` runs, so that one-off costs (oneDNN compiling kernels for a new shape on its
-    first call, page faults) are not counted against whichever configuration meets them first."""
-    from fivefold.bench.offline_bench import make_config, run_offline
-
-    config = make_config(loaded.name, workload="throughput", num_requests=batch, input_len=64,
-                         output_len=num_tokens, max_num_seqs=batch, kv_cache_memory=float(512 << 20))
-    return max(run_offline(config, loaded, show_progress=False)["decode_tok_s"] for _ in range(repeats))
-
-
 def evaluate(loaded, eval_windows, job: QuantizeJob) -> dict[str, Any]:
     ppl, acc = language_metrics(loaded.model, eval_windows)
     return {"perplexity": ppl, "next_token_accuracy": acc,
@@ -65,7 +49,11 @@ def build_quantized(job: QuantizeJob, console=None):
     Returns (loaded model, int8 module names, names kept float, sensitivity scan or None)."""
     from fivefold.models import load_model
     from fivefold.quant.quantize import calibrate, quantize_, target_linears
-    from fivefold.quant.sensitivity import mixed_precision, save_scan, sensitivity_scan
+    from fivefold.quant.quantization_sensitivity import (
+        mixed_precision,
+        quantization_sensitivity_scan,
+        save_quantization_scan,
+    )
 
     loaded = load_model(job.model)
     tok = loaded.tokenizer
@@ -92,8 +80,8 @@ def build_quantized(job: QuantizeJob, console=None):
 
     ranges = (calibrate(float_model, target_linears(float_model, config.skip), config, data, llm_forward)
               if data else None)
-    base, scan = sensitivity_scan(float_model, config, metric_on(scan_windows), ranges=ranges)
-    save_scan(Path(job.out) / "sensitivity.json", config, base, scan)
+    base, scan = quantization_sensitivity_scan(float_model, config, metric_on(scan_windows), ranges=ranges)
+    save_quantization_scan(Path(job.out) / "sensitivity.json", config, base, scan)
     decide = metric_on(decide_windows)
     decide_base = decide(float_model)
     if use_accuracy:

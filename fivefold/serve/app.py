@@ -89,7 +89,7 @@ class ServerSpec:
         A shared (Redis) cache is namespaced by ``cache_namespace`` and the weights' content
         fingerprint. ``behind_front``: a replica adopts the version stored there rather than
         the start-up one, so a replica restarted after an admin change never reverts it."""
-        from fivefold.cache.result_cache import make_result_cache
+        from fivefold.cache.factory import make_result_cache
         from fivefold.models.fingerprint import weights_fingerprint
         from fivefold.models.registry import resolve_model_path
 

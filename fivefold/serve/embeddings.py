@@ -101,7 +101,7 @@ def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_n
 def sample_ids(encoder: EncoderModel, num_tokens: int = 32) -> list[int]:
     """A ``num_tokens``-token input ([CLS] text [SEP]) cut from held-out text: the request the
     "auto" delay is measured on (a sentence; inputs run from a few words to a paragraph)."""
-    from fivefold.data import pydoc_text
+    from fivefold.eval.text import pydoc_text
 
     words = encoder.tokenizer.encode(pydoc_text("heldout")[:4000], add_special_tokens=False)[: num_tokens - 2]
     hf = encoder.tokenizer.hf

@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from fivefold.cache.redis_cache import RedisResultCache, redact_url
-from fivefold.cache.result_cache import ResultCache, make_result_cache
+from fivefold.cache.factory import make_result_cache
+from fivefold.cache.result_cache import ResultCache
 from fivefold.errors import FivefoldError
 from tests.conftest import free_port, redis_server
 

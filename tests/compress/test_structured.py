@@ -7,7 +7,7 @@ from torch import nn
 from fivefold.compress.structured import channel_groups, count_flops, count_parameters, prune_channels
 from fivefold.errors import FivefoldError
 from fivefold.models.cnn import DigitsResNet, ResNet18, _randomise_batchnorm_, build_cnn
-from fivefold.quant.digits import DigitsCNN
+from fivefold.models.cnn import DigitsCNN
 
 
 def _resnet(width=8):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fivefold.fuse.tiled_attention import naive_attention, tiled_attention
+from fivefold.models.tiled_attention import naive_attention, tiled_attention
 
 
 @pytest.mark.parametrize("causal", [True, False])

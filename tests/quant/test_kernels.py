@@ -7,7 +7,7 @@ from torch import nn
 
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
-from fivefold.quant.kernels import (
+from fivefold.quant.int8_backends import (
     EXACT_KERNEL,
     LIBRARY_KERNELS,
     int8_matmul_exact,

@@ -4,12 +4,13 @@ import torch
 from torch import nn
 
 from fivefold.quant.config import Int8Config
-from fivefold.quant.digits import DigitsCNN, accuracy, load_digits_split, train
+from fivefold.models.cnn import DigitsCNN
+from fivefold.eval.digits import accuracy, load_digits_split, train
 from fivefold.quant.linear import Int8Conv2d, Int8Linear
 from fivefold.quant.primitives import sqnr_db
 from fivefold.quant.qat import FakeQuant, convert, prepare_qat
 from fivefold.quant.quantize import quantize_
-from fivefold.quant.sensitivity import mixed_precision, sensitivity_scan
+from fivefold.quant.quantization_sensitivity import mixed_precision, quantization_sensitivity_scan
 
 
 def test_int8_conv_matches_float_conv():
@@ -65,7 +66,7 @@ def test_sensitivity_scan_ranks_the_layer_with_outliers_first_and_mixed_precisio
 
     config = Int8Config("w8a16", weight_granularity="per-tensor")
     model = make()
-    base, scan = sensitivity_scan(model, config, metric, show_progress=False)
+    base, scan = quantization_sensitivity_scan(model, config, metric, show_progress=False)
     assert [s.name for s in scan][0] == "1" and scan[0].increase > scan[1].increase
     assert all(type(m) is nn.Linear for m in model)  # the scan leaves the model float
     all_int8, layer_1_float = make(), make()
@@ -80,7 +81,7 @@ def test_sensitivity_scan_ranks_the_layer_with_outliers_first_and_mixed_precisio
 
 def test_smoothquant_keeps_float_outputs_and_evens_out_activation_outliers(tmp_path):
     from fivefold.models import load_model
-    from fivefold.quant.evaluate import llm_forward, sequence_logits
+    from fivefold.eval.language import llm_forward, sequence_logits
     from fivefold.quant.smoothquant import smooth_
     from tests.conftest import save_random_hf_model
 

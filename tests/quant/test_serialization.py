@@ -8,7 +8,8 @@ import torch
 from fivefold.llm import LLM
 from fivefold.models import load_model
 from fivefold.quant.config import Int8Config
-from fivefold.quant.evaluate import llm_forward, text_windows
+from fivefold.eval.language import llm_forward
+from fivefold.eval.text import text_windows
 from fivefold.quant.linear import Int8Linear
 from fivefold.quant.quantize import quantize_
 from fivefold.quant.serialization import save_quantized
@@ -65,7 +66,7 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     assert report["num_int8_modules"] + len(report["kept_float"]) == len(scan["layers"])
     # The kernel that ran (the subprocess inherits any AVX2 forcing) and the machine it ran on.
     from fivefold.platform import current_platform
-    from fivefold.quant.kernels import w8a8_kernel
+    from fivefold.quant.int8_backends import w8a8_kernel
 
     assert report["kernels"] == {w8a8_kernel("static"): report["num_int8_modules"]}
     assert report["platform"]["isa_level"] == current_platform().isa_level

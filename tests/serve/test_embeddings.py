@@ -17,7 +17,7 @@ import torch
 from fivefold.batching.batcher import DynamicBatcher
 from fivefold.batching.config import BatcherConfig
 from fivefold.batching.encoder import EncoderModel
-from fivefold.data import pydoc_text
+from fivefold.eval.text import pydoc_text
 from fivefold.models.registry import resolve_model_path
 from fivefold.serve.embeddings import build_embeddings_app, create_embeddings_server
 from tests.serve.conftest import running_server

@@ -33,3 +33,8 @@ def corpus_prompts(ids: list[int], num: int, length: int, seed: int = 0) -> list
     """``num`` prompts of ``length`` tokens cut at random offsets from ``ids``."""
     rng = random.Random(seed)
     return [ids[s:s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(num))]
+
+
+def text_windows(tokenizer, part: str, num: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``num`` windows of ``length`` tokens from the ``calibration`` or ``heldout`` part."""
+    return corpus_prompts(corpus_ids(tokenizer, part), num, length, seed)

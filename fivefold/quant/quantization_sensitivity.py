@@ -1,6 +1,6 @@
 """Per-layer sensitivity, and mixed precision from it.
 
-``sensitivity_scan`` quantizes one linear layer at a time (all others float), measures
+``quantization_sensitivity_scan`` quantizes one linear layer at a time (all others float), measures
 the metric on held-out data and restores the layer: the increase over float is that
 layer's sensitivity. ``mixed_precision`` quantizes everything, then keeps the most
 sensitive layers in float, the fewest that bring the metric within the budget (a
@@ -33,7 +33,7 @@ class LayerSensitivity:
     increase: float  # relative to float: metric / float_metric - 1 (lower metric is better)
 
 
-def sensitivity_scan(model: nn.Module, config: Int8Config, metric_fn: Callable[[nn.Module], float],
+def quantization_sensitivity_scan(model: nn.Module, config: Int8Config, metric_fn: Callable[[nn.Module], float],
                      calibration_data=None, forward_fn=None, show_progress: bool = True, ranges=None
                      ) -> tuple[float, list[LayerSensitivity]]:
     """(float metric, layers sorted from most to least sensitive). The model is left float.
@@ -60,7 +60,7 @@ def sensitivity_scan(model: nn.Module, config: Int8Config, metric_fn: Callable[[
     return base, sorted(out, key=lambda s: -s.increase)
 
 
-def save_scan(path: str | Path, config: Int8Config, base: float, scan: list[LayerSensitivity]) -> Path:
+def save_quantization_scan(path: str | Path, config: Int8Config, base: float, scan: list[LayerSensitivity]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": config.to_dict(), "float_metric": base,

@@ -1,5 +1,6 @@
-"""A small CNN on ``sklearn.datasets.load_digits`` (8x8 images, 10 classes), trained here:
-the model on which post-training quantization and QAT are compared.
+"""The digits task: ``sklearn.datasets.load_digits`` (8x8 images, 10 classes), on which the
+CNN levers (quantization, QAT, pruning, fusion) are trained and judged; the models are
+``DigitsCNN`` and ``DigitsResNet`` in fivefold/models/cnn.py.
 
 Split (fixed seed): 60% train, 20% calibration/validation, 20% test. Calibration uses
 the calibration part only; accuracy is always reported on the test part.
@@ -31,20 +32,6 @@ def load_digits_split(seed: int = 0) -> DigitsData:
     x, y = x[order], y[order]
     a, b = int(0.6 * len(y)), int(0.8 * len(y))
     return DigitsData((x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:]))
-
-
-class DigitsCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 2 * 2, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 16, 4, 4]
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # [B, 32, 2, 2]
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 def train(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], epochs: int, lr: float = 3e-3,

@@ -1,6 +1,7 @@
-"""Metrics the quantization decisions are judged by: held-out perplexity for LLMs.
+"""What every lever reports an LLM's accuracy and speed with: held-out perplexity and
+next-token accuracy (one prefill per window), and decode tokens/s on the serving engine.
 
-Windows come from ``fivefold.data``: calibration windows from the calibration part
+Windows come from ``fivefold.eval.text``: calibration windows from the calibration part
 of pydoc_data, evaluation windows from the held-out part, never the same text.
 """
 
@@ -10,7 +11,6 @@ import math
 
 import torch
 
-from fivefold.data import corpus_ids, corpus_prompts
 from fivefold.models.attention import AttentionMetadata
 
 BLOCK = 16
@@ -64,6 +64,25 @@ def next_token_accuracy(model, windows: list[list[int]]) -> float:
     return language_metrics(model, windows)[1]
 
 
-def text_windows(tokenizer, part: str, num: int, length: int, seed: int = 0) -> list[list[int]]:
-    """``num`` windows of ``length`` tokens from the ``calibration`` or ``heldout`` part."""
-    return corpus_prompts(corpus_ids(tokenizer, part), num, length, seed)
+def decode_rate(outputs) -> float:
+    """Decode tokens/s of finished requests that ran together: the tokens after each request's
+    first, over the span from the first first-token to the last finish (prefill excluded, the
+    batch's decode steps included)."""
+    span = max(o.metrics.finished_time for o in outputs) - min(o.metrics.first_token_time for o in outputs)
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return (num_tokens - len(outputs)) / span if span > 0 else 0.0
+
+
+def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float:
+    """Decode tokens/s of ``batch`` concurrent 64-token held-out prompts on the serving engine
+    (greedy, EOS ignored): the best of ``repeats`` runs, so that one-off costs (oneDNN compiling
+    kernels for a new shape on its first call, page faults) are not counted against whichever
+    configuration meets them first."""
+    from fivefold.eval.text import corpus_ids, corpus_prompts
+    from fivefold.llm import LLM
+    from fivefold.sampling_params import SamplingParams
+
+    llm = LLM(loaded, max_num_seqs=batch, kv_cache_memory=float(512 << 20))
+    prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), batch, 64, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    return max(decode_rate(llm.generate(prompts, params)) for _ in range(repeats))

@@ -18,7 +18,7 @@ from fivefold.compress.structured import channel_groups, count_flops, prune_chan
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def sensitivity_scan(model: nn.Module, example_inputs: tuple, metric: Callable[[nn.Module], float],
+def pruning_sensitivity_scan(model: nn.Module, example_inputs: tuple, metric: Callable[[nn.Module], float],
                      ratios: tuple[float, ...] = DEFAULT_RATIOS, importance: str = "l1",
                      progress=None) -> dict:
     """``{"baseline": m, "groups": {name: {"channels": C, "drops": {ratio: baseline - metric}}}}``.
@@ -78,7 +78,7 @@ def ratios_for_flops_target(model: nn.Module, example_inputs: tuple, scan: dict,
     return ratios()
 
 
-def save_scan(scan: dict, path: str | Path) -> None:
+def save_pruning_scan(scan: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(scan, indent=2))
 
 
