@@ -88,7 +88,7 @@ def main() -> None:
 
     rows = []
     for dtype in args.dtypes.split(","):
-        llm = LLM(load_model(args.model, dtype), kv_cache_memory=256 << 20)
+        llm = LLM(load_model(args.model, dtype), kv_cache_memory_bytes=256 << 20)
         prompt_ids = llm.chat_prompt([{"role": "user", "content": QUESTION}])
         hf = load_hf(getattr(torch, dtype))
         ours_decode_tok_s(llm, prompt_ids, 8)  # warm-up

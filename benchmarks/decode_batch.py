@@ -60,7 +60,7 @@ def main() -> None:
     loaded = load_model(args.model, args.dtype)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=2 << 30, max_num_seqs=max(64, batch)))
+        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory_bytes=2 << 30, max_num_seqs=max(64, batch)))
         params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
         for p in prompts_from_pydoc(batch, 128, loaded.tokenizer):
             engine.add_request(p, params)

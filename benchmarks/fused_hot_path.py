@@ -83,7 +83,7 @@ def engine_rows(model: str, batches: list[int], output_len: int) -> list[dict]:
         for _ in range(2):
             for hot_path in ("eager", "fused"):
                 config = make_config(model, workload="throughput", num_requests=batch, input_len=64,
-                                     output_len=output_len, hot_path=hot_path, kv_cache_memory=1 << 30)
+                                     output_len=output_len, hot_path=hot_path, kv_cache_memory_bytes=1 << 30)
                 result = run_offline(config, loaded, show_progress=False)
                 best[hot_path] = max(best.get(hot_path, 0.0), result["decode_tok_s"])
         rows.append({"batch": batch, "eager_tok_s": best["eager"], "fused_tok_s": best["fused"],

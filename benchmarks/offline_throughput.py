@@ -96,7 +96,7 @@ def main() -> None:
     path = resolve_model_path(args.model)
     hf = (AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
           if path.suffix == ".gguf" else AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)).eval()
-    llm = LLM(load_model(args.model, "float32"), kv_cache_memory=4 << 30)
+    llm = LLM(load_model(args.model, "float32"), kv_cache_memory_bytes=4 << 30)
     ids = corpus_ids(llm.tokenizer)
 
     results = []

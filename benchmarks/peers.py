@@ -92,7 +92,7 @@ def run_fivefold(system: str, workloads: list[str]) -> tuple[dict, int, str]:
     results = {}
     for name in workloads:
         num, new = WORKLOADS[name]
-        llm = LLM(loaded, max_num_seqs=max(num, 1), kv_cache_memory=float(512 << 20))
+        llm = LLM(loaded, max_num_seqs=max(num, 1), kv_cache_memory_bytes=float(512 << 20))
         prompts = prompts_for(llm.tokenizer, num)
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         if name == "single":

@@ -27,7 +27,7 @@ from fivefold.sampling_params import SamplingParams  # noqa: E402
 
 
 def run(loaded, prompts: list[list[int]], enable_prefix_caching: bool, max_tokens: int) -> dict:
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=4 << 30, enable_prefix_caching=enable_prefix_caching))
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory_bytes=4 << 30, enable_prefix_caching=enable_prefix_caching))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for p in prompts:

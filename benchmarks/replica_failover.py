@@ -1,7 +1,7 @@
 """Replica lifecycle on Ray Serve, timed: start, a killed idle replica leaving routing,
 its restart back into routing, and a SIGTERM drain, for `fivefold serve --replicas 2`.
 
-    .venv/bin/python benchmarks/replica_failover.py [--model M] [--kv-cache-memory B]
+    .venv/bin/python benchmarks/replica_failover.py [--model M] [--kv-cache-memory-bytes B]
 
 The kill is a SIGKILL to replica-0's process (found by its Ray process title), as the
 kernel's OOM killer would do it. Times are read from the front's own metrics
@@ -40,13 +40,13 @@ def wait_health(url: str, replica: str, value: float, start: float, limit: float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_LLM)
-    ap.add_argument("--kv-cache-memory", type=int, default=128 << 20)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=128 << 20)
     args = ap.parse_args()
     from rich.console import Console
 
     log = Path(tempfile.mkdtemp()) / "serve.log"
     start = time.time()
-    with serve_process("--model", args.model, "--replicas", "2", "--kv-cache-memory", str(args.kv_cache_memory),
+    with serve_process("--model", args.model, "--replicas", "2", "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
                        timeout=600, log_path=log) as (proc, url):
         started = time.time() - start
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}

@@ -4,7 +4,7 @@ The shared-prefix dataset with several distinct system prompts (``--num-prefixes
 each 3/4 of ``--input-len``; every request takes one at random and adds its own
 tokens) is sent to ``fivefold serve --replicas 2`` once per routing policy, each on a
 fresh cluster (cold prefix caches), closed loop at ``--concurrency``. Each replica's KV
-pool (``--kv-cache-memory``) holds only some of the prefixes, as a real replica's does
+pool (``--kv-cache-memory-bytes``) holds only some of the prefixes, as a real replica's does
 under load: the question is whether routing keeps each prefix on one replica.
 
 Reported per policy, from the replicas' own metrics: the prefix-cache hit rate (prompt
@@ -15,7 +15,7 @@ this 2-core machine both replicas share the CPU (one thread each), so it is repo
 for what it is.
 
     .venv/bin/python benchmarks/replicas.py [--num-requests 48] [--num-prefixes 8] [--input-len 416]
-        [--output-len 16] [--concurrency 4] [--kv-cache-memory 134217728] [--policies round-robin,prefix-aware]
+        [--output-len 16] [--concurrency 4] [--kv-cache-memory-bytes 134217728] [--policies round-robin,prefix-aware]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fivefold.serve.cluster import metric_by_replica  # noqa: E402
 def run_policy(args, policy: str, prompts: list[list[int]], progress) -> dict:
     log = Path(tempfile.mkdtemp()) / f"serve-{policy}.log"
     with serve_process("--model", args.model, "--replicas", str(args.replicas), "--routing", policy,
-                       "--kv-cache-memory", str(args.kv_cache_memory), "--result-cache-entries", "0",
+                       "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--result-cache-entries", "0",
                        timeout=600, log_path=log) as (_, url):
         task = progress.add_task(f"{policy}", total=len(prompts))
         results, elapsed = asyncio.run(run_load(url, args.model, prompts, args.output_len, None, args.concurrency,
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=416, help="prompt tokens: 3/4 system prompt, 1/4 own")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--kv-cache-memory", type=int, default=128 << 20, help="KV pool bytes per replica")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=128 << 20, help="KV pool bytes per replica")
     args = ap.parse_args()
     from rich.console import Console
     from rich.progress import Progress
@@ -92,7 +92,7 @@ def main() -> None:
     console.print(results_table(
         f"{args.replicas} replicas, {args.num_requests} requests over {args.num_prefixes} system prompts of "
         f"{prefix_len} tokens (+{args.input_len - prefix_len} own), {args.output_len} out, concurrency "
-        f"{args.concurrency}, KV pool {args.kv_cache_memory >> 20} MiB per replica",
+        f"{args.concurrency}, KV pool {args.kv_cache_memory_bytes >> 20} MiB per replica",
         ("routing", "ok", "prefix hit rate", "per replica", "prefill computed", "prefill saved", "requests",
          "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "total s"), rows))
     summary = {"benchmark": "replicas", "model": args.model, "config": {k: v for k, v in vars(args).items()},

@@ -3,7 +3,7 @@ lost, nothing may hang, no KV block may leak.
 
     .venv/bin/python benchmarks/soak.py [--minutes 2] [--model smollm2-135m-instruct] [--concurrency 8]
 
-The server runs with a small KV pool (``--kv-cache-memory``, default 24 MiB: 33 blocks of 16
+The server runs with a small KV pool (``--kv-cache-memory-bytes``, default 24 MiB: 33 blocks of 16
 tokens for SmolLM2, so sequences are preempted), ``--max-num-seqs 8``, a queue limit and a
 queue timeout. Traffic (seeded): completions and chat, streamed and not, greedy and sampled,
 stop strings, ``n=2`` now and then, prompts that share a long prefix (the prefix cache) and
@@ -385,7 +385,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=2.0, help="traffic duration (at most 60)")
     ap.add_argument("--model", default=DEFAULT_LLM)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--kv-cache-memory", type=int, default=24 << 20)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=24 << 20)
     ap.add_argument("--fault-every", type=float, default=45.0, help="seconds between injected faults")
     ap.add_argument("--request-timeout", type=float, default=180.0, help="a request unanswered this long is lost")
     ap.add_argument("--seed", type=int, default=0)
@@ -397,7 +397,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trigger = Path(tmp) / "fault"
         log = Path(tmp) / "serve.log"
-        server_args = ["--model", args.model, "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", "8",
+        server_args = ["--model", args.model, "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--max-num-seqs", "8",
                        "--max-queued-requests", "24", "--queue-timeout", "60", "--shutdown-grace", "5"]
         launcher = [sys.executable, str(Path(__file__).resolve()), FAULT_FLAG, str(trigger)]
         with serve_process(*server_args, timeout=300, log_path=log, launcher=launcher) as (proc, url):

@@ -122,7 +122,7 @@ def main() -> None:
     ids = hf.encode(json.dumps(INSTANCE), add_special_tokens=False)
     engines = [r for r in (time_llguidance(hf, vocab_size, ids), time_xgrammar(hf, vocab_size, ids)) if r]
 
-    llm = LLM(loaded, kv_cache_memory=float(256 << 20))
+    llm = LLM(loaded, kv_cache_memory_bytes=float(256 << 20))
     llm.engine.warm_up_structured_output()
     question = "Describe a person (name, age, tags, address) as JSON."
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])

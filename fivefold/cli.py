@@ -19,8 +19,11 @@ from fivefold.models.registry import DEFAULT_LLM
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_LLM, help=f"built-in name, HF directory or GGUF file (default {DEFAULT_LLM})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-cache-memory", type=float, default=1 << 30,
-                   help="KV cache pool: bytes if > 1, else a fraction of available RAM (default 1 GiB)")
+    p.add_argument("--kv-cache-memory-bytes", type=float, default=None,
+                   help="KV cache pool in bytes (default 1 GiB)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV cache pool as a share of the available RAM, in (0, 1] (instead of bytes)")
+    p.add_argument("--kv-cache-memory", dest="renamed_kv_cache_memory", default=None, help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -253,7 +256,11 @@ def _sampling(args):
 
 
 def _engine_options(args) -> dict:
-    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    if args.renamed_kv_cache_memory is not None:
+        raise FivefoldError("--kv-cache-memory was split in two: --kv-cache-memory-bytes B or "
+                            "--kv-cache-memory-fraction F (a share of the available RAM, in (0, 1])")
+    return dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
                 decode_attention=args.decode_attention, hot_path=args.hot_path,
@@ -446,7 +453,7 @@ def _serve_replicas(args, spec) -> int:
     # Everything a replica would fail on is checked here first, for a one-line error.
     config = ClusterConfig(num_replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
                            num_cpus_per_replica=args.replica_cpus, shutdown_grace=args.shutdown_grace)
-    EngineConfig(**spec.engine_options)
+    EngineConfig.from_options(**spec.engine_options)
     tokenizer, _ = load_tokenizer(args.model)
     spec.make_result_cache()  # a bad URL or an unreachable Redis fails now, not in every replica
     replicas = ReplicaSet(spec, config)

@@ -23,7 +23,7 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel = DEFAULT_LLM, dtype: str = "float32", **engine_options) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.engine = LLMEngine(self.loaded, EngineConfig(**engine_options))
+        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(**engine_options))
         self.tokenizer = self.loaded.tokenizer
 
     def generate(

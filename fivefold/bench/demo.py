@@ -242,7 +242,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     registry = RunRegistry(registry_path) if registry_path else None
     runner = _Runner(loaded, model_fingerprint(model), registry, console)
     baseline_engine = dict(weight_layout="dense", decode_attention="torch", hot_path="eager",
-                           kv_cache_memory=KV_CACHE_BYTES)
+                           kv_cache_memory_bytes=KV_CACHE_BYTES)
 
     # 1. Profile first: the baseline, before any lever (dense weights, gather + SDPA decode).
     console.rule("1. profile the baseline")
@@ -275,13 +275,13 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     rows += _structure_rows(sizes.digits_epochs, console)
     one_at_a_time = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
                                 input_len=sizes.input_len, output_len=sizes.output_len, max_num_seqs=1,
-                                kv_cache_memory=KV_CACHE_BYTES)
+                                kv_cache_memory_bytes=KV_CACHE_BYTES)
     batched = _with_engine(one_at_a_time, max_num_seqs=sizes.batching_requests)
     rows.append(runner.row("4 scheduling", f"continuous batching: 1 -> {sizes.batching_requests} sequences per step",
                            "output tok/s", ("output_tok_s",), one_at_a_time, batched, True, "continuous batching"))
     no_cache = make_config(model, workload="shared-prefix", num_requests=sizes.prefix_requests, input_len=32,
                            output_len=4, prefix_len=sizes.prefix_len, enable_prefix_caching=False,
-                           kv_cache_memory=KV_CACHE_BYTES)
+                           kv_cache_memory_bytes=KV_CACHE_BYTES)
     rows.append(_dynamic_batching_row(sizes.embedding_requests, console))
     cached = _with_engine(no_cache, enable_prefix_caching=True)
     rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
@@ -289,10 +289,10 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     # Quantization last: int8 replaces the shared model's layers (a float run after it reloads).
     float_b1 = make_config(model, workload="throughput", num_requests=1, input_len=sizes.input_len,
                            output_len=2 * sizes.output_len, eval_windows=sizes.eval_windows,
-                           kv_cache_memory=KV_CACHE_BYTES)
+                           kv_cache_memory_bytes=KV_CACHE_BYTES)
     float_bn = make_config(model, workload="throughput", num_requests=sizes.batching_requests,
                            input_len=sizes.input_len, output_len=sizes.output_len, eval_windows=sizes.eval_windows,
-                           kv_cache_memory=KV_CACHE_BYTES)
+                           kv_cache_memory_bytes=KV_CACHE_BYTES)
     runner.run(float_b1, "float32, batch 1")
     runner.run(float_bn, f"float32, batch {sizes.batching_requests}")
     w8a16 = Int8Config("w8a16")

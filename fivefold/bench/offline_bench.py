@@ -52,7 +52,7 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
     return {"model": model, "dtype": dtype, "workload": workload, "num_requests": num_requests,
             "input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "seed": seed,
             "quantization": quantization, "eval_windows": eval_windows,
-            "engine": asdict(EngineConfig(**engine_options))}
+            "engine": asdict(EngineConfig.from_options(**engine_options))}
 
 
 def prepared_model(config: dict, loaded=None):

@@ -51,7 +51,8 @@ def make_trainable_(model: nn.Module) -> nn.Module:
 
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = getattr(linear, "bias", None)
-    return linear.weight.detach(), None if bias is None else bias.detach()
+    unpacked = getattr(linear, "unpacked_weight", None)  # a PackedLinear
+    return (unpacked() if unpacked is not None else linear.weight).detach(), None if bias is None else bias.detach()
 
 
 def _with_config(loaded, model, **changes):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fivefold.errors import FivefoldError
 
@@ -27,12 +27,22 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+RENAMED_OPTIONS = {
+    "kv_cache_memory": "kv_cache_memory was split in two: kv_cache_memory_bytes (bytes) or kv_cache_memory_fraction "
+                       "(a share of the available RAM, in (0, 1])",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the LLM engine, validated on construction.
 
-    kv_cache_memory: bytes for the KV block pool when > 1, otherwise a fraction of
-    the RAM available at start. The pool is allocated once and never grows.
+    kv_cache_memory_bytes / kv_cache_memory_fraction: the KV block pool, in bytes, or as a
+    share (0, 1] of the RAM available at start (as vLLM names ``kv_cache_memory_bytes`` and
+    ``gpu_memory_utilization``); at most one of them; neither: 1 GiB. The pool is allocated
+    once and never grows. The old ``kv_cache_memory`` (bytes above 1, a fraction below) is
+    refused by :meth:`from_options` with a message naming the two.
     max_model_len: None means the model's own limit.
     enable_prefix_caching: reuse the KV blocks of shared prompt prefixes (radix tree).
     preallocation: blocks reserved when a request is admitted: "none" (only what each
@@ -58,7 +68,8 @@ class EngineConfig:
     """
 
     block_size: int = 16
-    kv_cache_memory: float = 1 << 30
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -73,8 +84,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise FivefoldError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
-        if self.kv_cache_memory <= 0:
-            raise FivefoldError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_fraction is not None:
+            raise FivefoldError("give kv_cache_memory_bytes or kv_cache_memory_fraction, not both")
+        if self.kv_cache_memory_bytes is not None:
+            if isinstance(self.kv_cache_memory_bytes, bool) or self.kv_cache_memory_bytes < 1 or \
+                    self.kv_cache_memory_bytes != int(self.kv_cache_memory_bytes):
+                raise FivefoldError(f"kv_cache_memory_bytes must be a whole number of bytes >= 1, got "
+                                    f"{self.kv_cache_memory_bytes}")
+            object.__setattr__(self, "kv_cache_memory_bytes", int(self.kv_cache_memory_bytes))  # 64e6 -> 64000000
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise FivefoldError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_num_seqs < 1:
             raise FivefoldError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -98,7 +117,23 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """The config of keyword options (``LLM(..., **options)``, a stored recipe), refusing
+        renamed and unknown options by name."""
+        for old, message in RENAMED_OPTIONS.items():
+            if old in options:
+                raise FivefoldError(message)
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise FivefoldError(f"unknown engine option(s) {unknown}; the options are "
+                                f"{', '.join(f.name for f in fields(cls))}")
+        return cls(**options)
+
     def kv_cache_bytes(self) -> int:
-        if self.kv_cache_memory > 1:
-            return int(self.kv_cache_memory)
-        return int(self.kv_cache_memory * available_memory_bytes())
+        """The pool's size in bytes (a fraction is of the RAM available now)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if self.kv_cache_memory_fraction is not None:
+            return int(self.kv_cache_memory_fraction * available_memory_bytes())
+        return DEFAULT_KV_CACHE_BYTES

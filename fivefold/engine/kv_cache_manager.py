@@ -52,8 +52,8 @@ class KVCacheManager:
         return len(self.free_block_ids)
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Unreferenced blocks kept for reuse (evictable)."""
+    def num_evictable_blocks(self) -> int:
+        """Unreferenced blocks kept for reuse by the prefix cache, evicted when blocks run out."""
         return len(self.evictable)
 
     @property

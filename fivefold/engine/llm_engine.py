@@ -1,4 +1,4 @@
-"""The engine: a step is schedule, run, sample, postprocess.
+"""The engine: a step is schedule, run the model, commit the computed tokens, sample, check stops.
 
 Synchronous and single-threaded; the async server wraps it.
 """
@@ -159,7 +159,7 @@ class LLMEngine:
         if total > capacity:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens can never fit the KV cache ({capacity} tokens); "
-                f"raise kv_cache_memory"
+                f"raise kv_cache_memory_bytes"
             )
 
     def abort(self, request_id: str) -> None:
@@ -187,7 +187,7 @@ class LLMEngine:
                 if position > len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append({"token_id": seq.prompt_token_ids[position], "logprob": logprob,
                                                 "top": top})
-        self.scheduler.postprocess(batch)
+        self.scheduler.commit_computed(batch)
         sampling = result.sampling
         if not sampling:
             return []
@@ -266,11 +266,11 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Engine-wide counters: KV pool use, prefix cache, preemptions, reservations."""
-        kv, res = self.kv_cache, self.scheduler.reservations
+        kv, res = self.kv_cache, self.scheduler.preallocation.stats
         return {
             "num_blocks": kv.num_blocks,
             "num_free_blocks": kv.num_free_blocks,
-            "num_cached_blocks": kv.num_cached_blocks,
+            "num_evictable_blocks": kv.num_evictable_blocks,
             "num_used_blocks": kv.num_used_blocks,
             "prefix_cache_queries": kv.stats.num_queries,
             "prefix_cache_hits": kv.stats.num_hits,

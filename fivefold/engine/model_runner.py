@@ -36,12 +36,28 @@ def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
+def serving_view(model: LlamaForCausalLM, config: EngineConfig) -> LlamaForCausalLM:
+    """The model as this runner serves it, prepared once, here, and never in place: a copy of the
+    module tree sharing every weight, whose projections are packed (``weight_layout="packed"``:
+    each weight's packed copy made once and shared by every runner, models.layers.packed_linear)
+    and whose hot-path ops run fused or eager as ``hot_path`` says. Another runner of the same
+    loaded model, with other options, sees the model as it was loaded."""
+    from fivefold.models.layers import PackedLinear, module_tree_copy
+
+    if config.weight_layout == "dense" and any(isinstance(m, PackedLinear) for m in model.modules()):
+        raise FivefoldError("weight_layout='dense' needs the model's dense weights, but its projections were packed "
+                            "in place (pack_for_serving): load the model again")
+    view = module_tree_copy(model)
+    if config.weight_layout == "packed":
+        view.pack_for_serving()  # on the copy: only plain nn.Linear modules are swapped
+    view.set_fused_ops(config.hot_path == "fused")
+    return view
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
-        self.model = model
-        if config.weight_layout == "packed":
-            model.pack_for_serving()  # idempotent: only plain nn.Linear modules are swapped
-        model.set_fused_ops(config.hot_path == "fused")
+        self.model = serving_view(model, config)
+        model = self.model
         if config.hot_path == "fused":
             fused_ops()  # build or load now, not during the first request
         self.use_decode_kernel = config.decode_attention == "kernel"
@@ -58,7 +74,7 @@ class ModelRunner:
         self.num_blocks = config.kv_cache_bytes() // bytes_per_block
         if self.num_blocks < 1:
             raise FivefoldError(
-                f"kv_cache_memory {config.kv_cache_bytes()} bytes is less than one block ({bytes_per_block} bytes)"
+                f"kv_cache_memory_bytes {config.kv_cache_bytes()} bytes is less than one block ({bytes_per_block} bytes)"
             )
         # Zero-filled once: padded decode reads hit finite values only (see attention.py).
         self.kv_caches = [

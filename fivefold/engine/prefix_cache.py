@@ -56,7 +56,8 @@ class RadixPrefixCache:
         self._clock = 0
 
     @property
-    def num_cached_blocks(self) -> int:
+    def num_published_blocks(self) -> int:
+        """Blocks in the tree (in use or evictable): what a later prompt can match."""
         return len(self.nodes_by_block)
 
     def contains_block(self, block_id: int) -> bool:

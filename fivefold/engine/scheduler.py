@@ -13,13 +13,13 @@ greedy output stays identical.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.kv_cache_manager import KVCacheManager
+from fivefold.engine.preallocation import make_preallocation_policy
 from fivefold.engine.sequence import Sequence, SequenceStatus
 
 
@@ -35,16 +35,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class ReservationStats:
-    """How the pre-allocation policy's guesses turned out."""
-
-    num_reservations: int = 0
-    num_too_small: int = 0  # the sequence outgrew its reservation
-    num_too_large: int = 0  # it finished with whole reserved blocks unused
-    num_unused_blocks: int = 0  # total reserved blocks never written
-
-
 class Scheduler:
     """Owns the waiting and running queues."""
 
@@ -55,8 +45,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.reservations = ReservationStats()
-        self.recent_output_lengths: deque[int] = deque(maxlen=100)
+        self.preallocation = make_preallocation_policy(config.preallocation, max_model_len)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,7 +61,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv_cache.allocate_slots(seq, num_new, num_lookahead_tokens=self._lookahead(seq, num_new)):
+            self.preallocation.on_step(seq, num_new)
+            lookahead = self.preallocation.lookahead(seq, num_new)
+            while not self.kv_cache.allocate_slots(seq, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -90,7 +81,7 @@ class Scheduler:
             if budget <= 0 or out.preempted or len(self.running) >= self.config.max_num_seqs:
                 break
             if seq.num_reserved_tokens == 0 or seq.num_preemptions:
-                seq.num_reserved_tokens = self._reservation(seq)
+                seq.num_reserved_tokens = self.preallocation.reservation(seq)
             computed = self.kv_cache.get_computed_blocks(seq)
             if self._is_prefix_in_flight(seq, len(computed), in_flight):
                 continue  # its next block is being computed by another prompt: reuse it next step
@@ -104,8 +95,7 @@ class Scheduler:
                 self.kv_cache.record_prefix_query(seq.num_tokens, num_hit_tokens)
                 seq.num_cached_tokens = num_hit_tokens
                 seq.metrics.first_scheduled_time = time.monotonic()
-                if self.config.preallocation != "none":
-                    self.reservations.num_reservations += 1
+                self.preallocation.on_admit(seq)
             seq.num_computed_tokens += num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -140,27 +130,6 @@ class Scheduler:
             return False
         return hashes[num_hit_blocks] in in_flight
 
-    def _reservation(self, seq: Sequence) -> int:
-        """Token capacity to reserve at admission, per the pre-allocation policy."""
-        policy = self.config.preallocation
-        if policy == "none":
-            return 0
-        max_output = seq.params.max_tokens
-        if policy == "predicted" and self.recent_output_lengths:
-            ordered = sorted(self.recent_output_lengths)
-            p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
-            max_output = min(max_output, p90)
-        return min(seq.num_prompt_tokens + max_output, self.max_model_len)
-
-    def _lookahead(self, seq: Sequence, num_new: int) -> int:
-        if not seq.num_reserved_tokens:
-            return 0
-        needed = seq.num_computed_tokens + num_new
-        if needed > seq.num_reserved_tokens and not seq.is_reservation_exceeded:
-            seq.is_reservation_exceeded = True
-            self.reservations.num_too_small += 1
-        return max(0, seq.num_reserved_tokens - needed)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv_cache.free(seq)
@@ -170,8 +139,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: SchedulerOutput) -> None:
-        """Advance progress counters and publish newly completed blocks to the prefix cache."""
+    def commit_computed(self, batch: SchedulerOutput) -> None:
+        """After the forward pass: the scheduled tokens are in the KV cache. Advance progress
+        counters and publish newly completed blocks to the prefix cache."""
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(seq)
@@ -182,11 +152,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.num_reserved_tokens and seq.block_ids:
-            unused = len(seq.block_ids) - self.kv_cache.num_blocks_for(seq.num_tokens)
-            if unused > 0:
-                self.reservations.num_too_large += 1
-                self.reservations.num_unused_blocks += unused
-        if seq.finish_reason != "abort":
-            self.recent_output_lengths.append(seq.num_output_tokens)
+        unused = len(seq.block_ids) - self.kv_cache.num_blocks_for(seq.num_tokens) if seq.block_ids else 0
+        self.preallocation.on_finish(seq, unused)
         self.kv_cache.free(seq)

@@ -45,7 +45,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared (and removed from queues) by identity
 class Sequence:
     """One generation stream.
 

@@ -89,9 +89,9 @@ def check_reclaimable(kv: KVCacheManager) -> None:
     """Evict everything evictable (on the real structures: call between runs or at the end)."""
     if kv.prefix_cache is None:
         return
-    num = kv.num_cached_blocks
+    num = kv.num_evictable_blocks
     kv._evict(num)
-    assert kv.num_cached_blocks == 0, f"{kv.num_cached_blocks} of {num} evictable blocks could not be evicted"
+    assert kv.num_evictable_blocks == 0, f"{kv.num_evictable_blocks} of {num} evictable blocks could not be evicted"
 
 
 def run_stress(seed: int, num_steps: int = 400, cfg: StressConfig = StressConfig()) -> StressResult:
@@ -122,7 +122,7 @@ def run_stress(seed: int, num_steps: int = 400, cfg: StressConfig = StressConfig
                 result.num_aborted += 1
                 check_invariants(sched, kv, live)
             batch = sched.schedule()
-            sched.postprocess(batch)
+            sched.commit_computed(batch)
             for seq, _ in batch.scheduled:
                 if seq.num_computed_tokens == seq.num_tokens and not seq.is_finished:
                     seq.token_ids.append(1000 + sum(seq.token_ids[-8:]) % 997)  # the "model"

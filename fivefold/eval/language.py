@@ -82,7 +82,7 @@ def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float
     from fivefold.llm import LLM
     from fivefold.sampling_params import SamplingParams
 
-    llm = LLM(loaded, max_num_seqs=batch, kv_cache_memory=float(512 << 20))
+    llm = LLM(loaded, max_num_seqs=batch, kv_cache_memory_bytes=float(512 << 20))
     prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), batch, 64, seed=0)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     return max(decode_rate(llm.generate(prompts, params)) for _ in range(repeats))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
+
 import torch
 from torch import nn
 
@@ -188,10 +191,10 @@ class PackedLinear(nn.Module):
         self._row_major = weight if self.stream_weight is None else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The weight [out, in], row-major. Unpacked from ``stream_weight`` on each access (a copy,
-        for export, state dicts and tests; the forward never reads it)."""
+    def unpacked_weight(self) -> torch.Tensor:
+        """The weight [out, in], row-major: unpacked from ``stream_weight`` into a new tensor on each
+        call (for state dicts and tests; the forward never needs it). A method, not a ``weight``
+        attribute, so that nobody pays for a 100 MB copy by reading what looks like a field."""
         if self._row_major is not None:
             return self._row_major
         return stream_ops().stream_unpack(self.stream_weight)[:, :self.in_features].contiguous()
@@ -235,7 +238,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        destination[prefix + "weight"] = self.weight
+        destination[prefix + "weight"] = self.unpacked_weight()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias.detach()
 
@@ -254,11 +257,50 @@ def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Li
     return out
 
 
+# One packed copy per weight tensor, shared by every serving view of it (ModelRunner builds one
+# per engine): id(weight) -> (a weak reference to the weight, its content key, the packed layer).
+# By id, since tensors compare element-wise; an entry goes when its weight is freed.
+_PACKED: dict[int, tuple[weakref.ref, tuple, "PackedLinear"]] = {}
+
+
+def packed_linear(linear: nn.Linear) -> PackedLinear:
+    """``linear``'s :class:`PackedLinear`, packed once per weight tensor (oneDNN's reorder of SmolLM2's
+    projections takes 1.5 s) and made again only if the weight or bias changed since."""
+    weight, key = linear.weight, _content_key(linear)
+    cached = _PACKED.get(id(weight))
+    if cached is not None and cached[0]() is weight and cached[1] == key:
+        return cached[2]
+    packed = PackedLinear(linear)
+    ident = id(weight)
+    _PACKED[ident] = (weakref.ref(weight, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
+    return packed
+
+
+def _content_key(linear: nn.Linear) -> tuple:
+    """What tells a weight (and bias) written in place since it was packed: the version counter, or,
+    for inference tensors (loaded under inference mode: they have none), a float64 sum of the values."""
+    def key(t: torch.Tensor | None):
+        if t is None:
+            return None
+        return float(t.detach().sum(dtype=torch.float64)) if t.is_inference() else t._version
+    return key(linear.weight), key(linear.bias)
+
+
+def module_tree_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree of submodules that shares every parameter, buffer and attribute:
+    replacing a submodule of the copy (or flipping a flag on it) leaves ``module`` as it was."""
+    clone = copy.copy(module)
+    clone._modules = {name: None if child is None else module_tree_copy(child) for name, child in module._modules.items()}
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
 def pack_linears_(model: nn.Module) -> nn.Module:
     """Swap every plain nn.Linear of ``model`` for a :class:`PackedLinear` (in place) where oneDNN can
     pack its dtype on this CPU (:meth:`PackedLinear.can_pack`); the others stay dense."""
     for module in [*model.modules()]:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and PackedLinear.can_pack(child.weight.dtype):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, packed_linear(child))
     return model

@@ -40,7 +40,7 @@ def profile_llm(loaded, mode: str = "decode", batch: int = 1, seq: int = 128, nu
     engine_options.setdefault("enable_prefix_caching", False)
     engine_options.setdefault("max_num_seqs", max(batch, 1))
     engine_options.setdefault("max_num_batched_tokens", max(2048, batch * seq))
-    engine_options.setdefault("kv_cache_memory",
+    engine_options.setdefault("kv_cache_memory_bytes",
                               float(max(256 << 20, 2 * batch * (seq + 64) * kv_bytes_per_token(loaded.model))))
     llm = LLM(loaded, **engine_options)
     engine = llm.engine

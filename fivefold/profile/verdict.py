@@ -94,7 +94,7 @@ def server_verdict(metrics_text: str, max_num_seqs: int) -> Verdict | None:
         return None
     if kv >= 0.9:
         return Verdict("caching", f"{waiting:.0f} requests wait with the KV pool {kv:.0%} full",
-                       "More kv_cache_memory, a smaller block_size or a quantized KV cache admits more.", 1.0)
+                       "More kv_cache_memory_bytes, a smaller block_size or a quantized KV cache admits more.", 1.0)
     if running < max_num_seqs:
         return Verdict("batching", f"{waiting:.0f} requests wait while {running:.0f} of {max_num_seqs} batch slots "
                        f"run and the KV pool is {kv:.0%} full",

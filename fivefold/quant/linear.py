@@ -52,7 +52,8 @@ DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 ba
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """The float weight of an nn.Linear or a PackedLinear."""
-    return linear.weight.detach().float()
+    unpacked = getattr(linear, "unpacked_weight", None)
+    return (unpacked() if unpacked is not None else linear.weight).detach().float()
 
 
 class Int8Linear(nn.Module):

@@ -99,7 +99,8 @@ def measure_bias_shifts(model: nn.Module, targets: list[tuple[str, nn.Module]], 
                         show_progress: bool = True) -> dict[str, torch.Tensor]:
     """Mean (over calibration tokens) of float output minus int8 output, per output channel."""
     quantized = {name: to_int8(m, config, ranges.get(name)) for name, m in targets}
-    sums = {name: torch.zeros(m.weight.shape[0], dtype=torch.float64) for name, m in targets}
+    sums = {name: torch.zeros(getattr(m, "out_features", None) or m.out_channels, dtype=torch.float64)
+            for name, m in targets}
     counts = dict.fromkeys(sums, 0)
 
     def hook(module, args, output, name):

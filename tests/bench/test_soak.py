@@ -16,7 +16,7 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 def test_short_soak_loses_nothing(tmp_path):
     save_random_hf_model("llama", tmp_path, max_position_embeddings=2048)
     proc = subprocess.run([sys.executable, str(SOAK), "--model", str(tmp_path), "--minutes", "0.3",
-                           "--fault-every", "3", "--concurrency", "6", "--kv-cache-memory", str(1 << 20)],
+                           "--fault-every", "3", "--concurrency", "6", "--kv-cache-memory-bytes", str(1 << 20)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -53,7 +53,7 @@ def test_pruned_directory_loads_in_transformers_and_generates_in_the_engine(arch
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     assert (ref - ours).abs().max().item() < 1e-4
-    outs = LLM(str(out), kv_cache_memory=8 << 20).generate([IDS[:6]], SamplingParams(temperature=0, max_tokens=5))
+    outs = LLM(str(out), kv_cache_memory_bytes=8 << 20).generate([IDS[:6]], SamplingParams(temperature=0, max_tokens=5))
     assert len(outs[0].outputs[0].token_ids) == 5
     assert all(0 <= t < TINY_VOCAB for t in outs[0].outputs[0].token_ids)
 

@@ -27,7 +27,7 @@ def test_32_requests_with_preemption_and_prefix_cache_match_transformers(tmp_pat
     ref_model = save_random_hf_model("llama", tmp_path, seed=3)
     loaded = load_model(str(tmp_path))
     bytes_per_block = 2 * 3 * 2 * 16 * 4 * 4  # K+V, layers, kv heads, head dim, fp32, block of 4
-    engine = LLMEngine(loaded, EngineConfig(block_size=4, kv_cache_memory=48 * bytes_per_block,
+    engine = LLMEngine(loaded, EngineConfig(block_size=4, kv_cache_memory_bytes=48 * bytes_per_block,
                                             max_num_batched_tokens=64, max_num_seqs=32))
     rng = random.Random(0)
     system = [rng.randrange(3, TINY_VOCAB) for _ in range(12)]
@@ -77,7 +77,7 @@ def test_preempted_smollm2_run_equals_uninterrupted(smollm2):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = []
     for memory in (256 << 20, 12 * 16 * 46080):  # roomy, then 12 blocks for 6 x ~34 tokens (18 needed)
-        engine = LLMEngine(smollm2, EngineConfig(kv_cache_memory=memory))
+        engine = LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=memory))
         ids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished:

@@ -47,7 +47,7 @@ def test_shared_prefix_reuses_blocks_and_computes_only_the_rest():
     a = make_seq("a", list(range(12)) + [99])  # 3 full blocks + 1 token
     compute(kv, a)
     assert a.block_ids == [0, 1, 2, 3]
-    assert kv.prefix_cache.num_cached_blocks == 3  # the partial block is never published
+    assert kv.prefix_cache.num_published_blocks == 3  # the partial block is never published
     b = make_seq("b", list(range(8)) + [50, 51, 52, 53, 54])
     assert kv.get_computed_blocks(b) == [0, 1]
     compute(kv, b)
@@ -65,12 +65,12 @@ def test_freed_published_blocks_stay_cached_and_are_revived():
     a = make_seq("a", list(range(9)))
     compute(kv, a)
     kv.free(a)
-    assert kv.num_cached_blocks == 2 and list(kv.free_block_ids) == [3, 4, 5, 2]
+    assert kv.num_evictable_blocks == 2 and list(kv.free_block_ids) == [3, 4, 5, 2]
     kv.check_integrity([])
     b = make_seq("b", list(range(8)) + [7, 7])
     compute(kv, b)
     assert b.block_ids == [0, 1, 3] and kv.ref_counts[:2] == [1, 1]
-    assert kv.num_cached_blocks == 0
+    assert kv.num_evictable_blocks == 0
     assert kv.stats.num_queries == 0  # the manager counts nothing by itself; the scheduler records
     kv.check_integrity([b])
 
@@ -83,7 +83,7 @@ def test_eviction_is_lru_and_leaf_first_and_only_when_free_runs_out():
     compute(kv, b)
     kv.free(b)  # b's blocks become cached first (older)
     kv.free(a)
-    assert kv.num_free_blocks == 2 and kv.num_cached_blocks == 4
+    assert kv.num_free_blocks == 2 and kv.num_evictable_blocks == 4
     c = make_seq("c", list(range(200, 208)) + [1])
     compute(kv, c)
     # Two free blocks are used before anything is evicted; then b's leaf (4) goes first.

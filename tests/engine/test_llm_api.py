@@ -16,7 +16,7 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(smollm2, kv_cache_memory=128 << 20)
+    return LLM(smollm2, kv_cache_memory_bytes=128 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_requests_that_can_never_fit_are_refused(llm):
         llm.generate(PROMPT, SamplingParams(max_tokens=9000))
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
         llm.generate([[]], SamplingParams())
-    small = LLM(llm.loaded, kv_cache_memory=4 * 16 * 46080)  # 4 blocks = 64 tokens
+    small = LLM(llm.loaded, kv_cache_memory_bytes=4 * 16 * 46080)  # 4 blocks = 64 tokens
     with pytest.raises(InvalidRequestError, match=r"can never fit the KV cache \(64 tokens\)"):
         small.generate(PROMPT, SamplingParams(max_tokens=100))
 

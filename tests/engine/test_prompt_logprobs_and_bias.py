@@ -29,7 +29,7 @@ def reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [512, 7])  # whole prompt in one step; chunked prefill over 7-token steps
 def test_prompt_logprobs_match_transformers(tiny, chunk):
     hf, loaded = tiny
-    llm = LLM(loaded, kv_cache_memory=4 << 20, max_num_batched_tokens=chunk, block_size=4)
+    llm = LLM(loaded, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=chunk, block_size=4)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 23, 40)]
     # The same prompt again, first without prompt logprobs: its blocks are in the prefix cache,
@@ -51,7 +51,7 @@ def test_prompt_logprobs_match_transformers(tiny, chunk):
 
 def test_logit_bias_forces_and_forbids_tokens(tiny):
     _, loaded = tiny
-    llm = LLM(loaded, kv_cache_memory=4 << 20)
+    llm = LLM(loaded, kv_cache_memory_bytes=4 << 20)
     prompt = [5, 9, 11, 40]
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
     forced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logit_bias={"77": 100}))[0]
@@ -69,7 +69,7 @@ def test_logit_bias_forces_and_forbids_tokens(tiny):
 
 def test_bad_logit_bias_and_prompt_logprobs_are_refused(tiny):
     _, loaded = tiny
-    llm = LLM(loaded, kv_cache_memory=4 << 20)
+    llm = LLM(loaded, kv_cache_memory_bytes=4 << 20)
     with pytest.raises(InvalidRequestError, match=r"logit_bias names token id 9999, outside the vocabulary"):
         llm.generate([[5, 6]], SamplingParams(logit_bias={9999: 1}))
     with pytest.raises(InvalidRequestError, match=r"logit_bias values must be in \[-100, 100\]"):

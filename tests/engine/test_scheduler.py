@@ -29,7 +29,7 @@ class FakeEngine:
     def step(self) -> list[tuple[str, int]]:
         out = self.sched.schedule()
         plan = [(s.request_id, n) for s, n in out.scheduled]
-        self.sched.postprocess(out)
+        self.sched.commit_computed(out)
         for seq, _ in out.scheduled:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(1000 + sum(seq.token_ids) % 997)  # deterministic "model"
@@ -120,7 +120,7 @@ def test_interleaved_arrivals_with_shared_prefix():
     stats = eng.kv.stats
     assert (stats.num_queries, stats.num_hits) == (14 + 13 + 13, 12 + 8)
     # Everything finished: the published blocks are cached, nothing is in use.
-    assert eng.kv.num_used_blocks == 0 and eng.kv.num_cached_blocks > 0
+    assert eng.kv.num_used_blocks == 0 and eng.kv.num_evictable_blocks > 0
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_blocks():
@@ -154,7 +154,7 @@ def test_preallocation_full_and_predicted_count_bad_guesses():
     full.step()
     assert len(full.live["a"].block_ids) == 5  # 17 tokens reserved up front
     full.run()
-    assert full.sched.reservations.num_reservations == 1 and full.sched.reservations.num_too_small == 0
+    assert full.sched.preallocation.stats.num_reservations == 1 and full.sched.preallocation.stats.num_too_small == 0
 
     pred = FakeEngine(num_blocks=32, prefix=False, preallocation="predicted")
     pred.add("a", list(range(4)), max_tokens=2)
@@ -163,14 +163,14 @@ def test_preallocation_full_and_predicted_count_bad_guesses():
     pred.step()
     assert len(pred.live["b"].block_ids) == 2
     pred.run()
-    r = pred.sched.reservations
+    r = pred.sched.preallocation.stats
     assert (r.num_reservations, r.num_too_small) == (2, 1)
     early = FakeEngine(num_blocks=32, prefix=False, preallocation="full")
     seq = early.add("c", list(range(4)), max_tokens=12)
     early.step()
     seq.finish("stop")
     early.sched.finish(seq)  # stopped after 1 of 12 tokens: 2 of its 4 reserved blocks never written
-    assert early.sched.reservations.num_too_large == 1 and early.sched.reservations.num_unused_blocks == 2
+    assert early.sched.preallocation.stats.num_too_large == 1 and early.sched.preallocation.stats.num_unused_blocks == 2
 
 
 def test_shared_prefix_arriving_together_is_computed_once():

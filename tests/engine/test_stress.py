@@ -64,7 +64,7 @@ def test_a_private_copy_is_never_linked_below_a_block_its_sequence_does_not_hold
     assert kv.allocate_slots(c, c.num_tokens)  # 4 blocks: the 2 free ones, then a's evicted leaf-first
     assert c.block_ids == [7, 2, 1, 0]
     kv.check_integrity([b, c])
-    assert kv.num_cached_blocks == 0 and kv.prefix_cache.num_cached_blocks == 0
+    assert kv.num_evictable_blocks == 0 and kv.prefix_cache.num_published_blocks == 0
 
 
 def test_the_engine_survives_the_issue_16_workload(tmp_path):
@@ -75,7 +75,7 @@ def test_the_engine_survives_the_issue_16_workload(tmp_path):
     loaded = load_model(str(tmp_path))
     c = loaded.config
     bytes_per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 16
-    engine = LLMEngine(loaded, EngineConfig(block_size=16, kv_cache_memory=24 * bytes_per_block,
+    engine = LLMEngine(loaded, EngineConfig(block_size=16, kv_cache_memory_bytes=24 * bytes_per_block,
                                             max_num_batched_tokens=128, max_num_seqs=12))
     assert engine.kv_cache.num_blocks == 24
     rng = random.Random(0)

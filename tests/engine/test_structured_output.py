@@ -40,7 +40,7 @@ SCHEMAS = {"person": PERSON, "nested": NESTED, "array": ARRAY, "list": LIST}
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(smollm2, kv_cache_memory=64 << 20)
+    return LLM(smollm2, kv_cache_memory_bytes=64 << 20)
 
 
 def chat(llm, text: str) -> list[int]:

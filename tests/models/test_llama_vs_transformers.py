@@ -20,8 +20,8 @@ ATOL = 1e-4
 def _all_logits(loaded, runner, scheduled):
     input_ids, positions, meta = runner.prepare(scheduled)
     with torch.inference_mode():
-        hidden = loaded.model(input_ids, positions, meta, runner.kv_caches)
-        return loaded.model.compute_logits(hidden), meta
+        hidden = runner.model(input_ids, positions, meta, runner.kv_caches)  # the model as the runner serves it
+        return runner.model.compute_logits(hidden), meta
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -29,7 +29,7 @@ def test_mixed_prefill_decode_batch_matches_transformers(arch, tmp_path):
     ref = save_random_hf_model(arch, tmp_path)
     loaded = load_model(str(tmp_path))
     assert loaded.config.architecture == arch
-    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20))
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20))
     blocks = KVCacheManager(runner.num_blocks, 4)
 
     gen = torch.Generator().manual_seed(1)
@@ -79,7 +79,7 @@ def test_bfloat16_load_close_to_float32(tmp_path):
     seq_tokens = list(range(3, 40))
     outs = []
     for loaded in (loaded32, loaded16):
-        runner = ModelRunner(loaded.model, EngineConfig(block_size=16, kv_cache_memory=4 << 20))
+        runner = ModelRunner(loaded.model, EngineConfig(block_size=16, kv_cache_memory_bytes=4 << 20))
         seq = Sequence("a", seq_tokens, SamplingParams())
         KVCacheManager(runner.num_blocks, 16).allocate_slots(seq, len(seq_tokens))
         outs.append(_all_logits(loaded, runner, [(seq, len(seq_tokens))])[0])
@@ -91,7 +91,7 @@ def _run_two_steps(loaded, **engine_options):
     """A prefill of two prompts, then a decode of both: (logits of every step, kernel counts of the last)."""
     from fivefold.fuse.graph_fuse import KernelCounter
 
-    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20, **engine_options))
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20, **engine_options))
     blocks = KVCacheManager(runner.num_blocks, 4)
     seqs = [Sequence(f"s{i}", list(range(3 + i, 3 + i + n)), SamplingParams()) for i, n in enumerate((10, 5))]
     logits = []

@@ -32,7 +32,7 @@ def _decode_logits(loaded, runner, step, native: bool):
 def test_decode_steps_match_transformers_and_the_python_loop(arch, layout, tmp_path):
     ref = save_random_hf_model(arch, tmp_path)
     loaded = load_model(str(tmp_path))
-    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20, weight_layout=layout))
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20, weight_layout=layout))
     assert runner.native_decoder is not None
     blocks = KVCacheManager(runner.num_blocks, 4)
     gen = torch.Generator().manual_seed(3)
@@ -76,7 +76,7 @@ def test_w8a16_decode_loop_matches_the_python_loop(tmp_path):
     save_random_hf_model("llama", tmp_path)
     loaded = load_model(str(tmp_path))
     quantize_(loaded.model, Int8Config(scheme="w8a16"))
-    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory=8 << 20))
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20))
     assert runner.native_decoder is not None
     seqs = [Sequence("a", list(range(3, 20)), SamplingParams()), Sequence("b", list(range(40, 51)), SamplingParams())]
     blocks = KVCacheManager(runner.num_blocks, 4)
@@ -102,12 +102,12 @@ def test_models_the_loop_cannot_run_keep_the_python_loop(tmp_path):
     save_random_hf_model("qwen3", tmp_path / "q3")
     loaded = load_model(str(tmp_path / "q3"))
     assert "q/k RMSNorm" in NativeDecoder.unsupported_reason(loaded.model)
-    assert ModelRunner(loaded.model, EngineConfig(kv_cache_memory=8 << 20)).native_decoder is None
+    assert ModelRunner(loaded.model, EngineConfig(kv_cache_memory_bytes=8 << 20)).native_decoder is None
     save_random_hf_model("llama", tmp_path / "l")
     bf16 = load_model(str(tmp_path / "l"), "bfloat16")
     assert "bfloat16" in NativeDecoder.unsupported_reason(bf16.model)
     f32 = load_model(str(tmp_path / "l"))
-    assert ModelRunner(f32.model, EngineConfig(kv_cache_memory=8 << 20, decode_loop="python")).native_decoder is None
-    assert ModelRunner(f32.model, EngineConfig(kv_cache_memory=8 << 20, hot_path="eager")).native_decoder is None
+    assert ModelRunner(f32.model, EngineConfig(kv_cache_memory_bytes=8 << 20, decode_loop="python")).native_decoder is None
+    assert ModelRunner(f32.model, EngineConfig(kv_cache_memory_bytes=8 << 20, hot_path="eager")).native_decoder is None
     with pytest.raises(Exception, match="decode_loop must be one of cpp, python"):
         EngineConfig(decode_loop="graph")

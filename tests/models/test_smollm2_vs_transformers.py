@@ -52,7 +52,7 @@ def test_greedy_generation_token_identical_to_transformers(smollm2, hf_reference
 
     path = resolve_model_path("smollm2-135m-instruct")
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    llm = LLM(smollm2, kv_cache_memory=256 << 20)
+    llm = LLM(smollm2, kv_cache_memory_bytes=256 << 20)
     # Half plain continuations, half through the chat template.
     prompts = [p if i % 2 == 0 else llm.chat_prompt([{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
     ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS))  # one batch
@@ -71,7 +71,7 @@ def test_greedy_generation_token_identical_to_transformers(smollm2, hf_reference
 
 
 def test_capital_of_france(smollm2):
-    llm = LLM(smollm2, kv_cache_memory=64 << 20)
+    llm = LLM(smollm2, kv_cache_memory_bytes=64 << 20)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out.outputs[0].text

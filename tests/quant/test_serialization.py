@@ -44,8 +44,8 @@ def test_saved_model_reloads_bit_identical_and_generates_the_same_tokens(tiny, t
         assert reloaded.model.lm_head.weight is reloaded.model.embed_tokens.weight
     prompts = [[5, 17, 33, 2 + i, 90] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in LLM(loaded, kv_cache_memory=8 << 20).generate(prompts, params)]
-    second = [o.outputs[0].token_ids for o in LLM(reloaded, kv_cache_memory=8 << 20).generate(prompts, params)]
+    first = [o.outputs[0].token_ids for o in LLM(loaded, kv_cache_memory_bytes=8 << 20).generate(prompts, params)]
+    second = [o.outputs[0].token_ids for o in LLM(reloaded, kv_cache_memory_bytes=8 << 20).generate(prompts, params)]
     assert first == second
 
 
@@ -92,9 +92,9 @@ def test_fivefold_serve_runs_the_quantized_directory(tiny, tmp_path):
                        show_progress=False)
     out = save_quantized(loaded, config, result.quantized, tmp_path / "q")
     prompt = [5, 17, 33, 90]
-    expected = LLM(load_model(str(out)), kv_cache_memory=8 << 20).generate(
+    expected = LLM(load_model(str(out)), kv_cache_memory_bytes=8 << 20).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
-    with serve_process("--model", str(out), "--kv-cache-memory", str(8 << 20)) as (_, url):
+    with serve_process("--model", str(out), "--kv-cache-memory-bytes", str(8 << 20)) as (_, url):
         r = httpx.post(url + "/v1/completions", json={"model": str(out), "prompt": prompt, "max_tokens": 6,
                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text

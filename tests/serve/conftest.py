@@ -64,7 +64,7 @@ def replica_model_dir(tmp_path_factory):
 def replica_cluster(model_dir, tmp_path_factory, *args, num_replicas: int = 2):
     """`fivefold serve --replicas N` of ``model_dir`` (one module at a time: two clusters would share 2 cores)."""
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    return serve_process("--model", model_dir, "--replicas", str(num_replicas), "--kv-cache-memory", str(32 << 20),
+    return serve_process("--model", model_dir, "--replicas", str(num_replicas), "--kv-cache-memory-bytes", str(32 << 20),
                          "--max-num-seqs", "16", *args, timeout=300, log_path=log)
 
 

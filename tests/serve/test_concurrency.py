@@ -19,7 +19,7 @@ from tests.serve.conftest import running_server, wait_until_idle
 
 def test_200_streams_with_50_cancelled(tmp_path):
     save_random_hf_model("llama", tmp_path)
-    engine = AsyncEngine(LLMEngine(load_model(str(tmp_path)), EngineConfig(kv_cache_memory=8 << 20, block_size=4)))
+    engine = AsyncEngine(LLMEngine(load_model(str(tmp_path)), EngineConfig(kv_cache_memory_bytes=8 << 20, block_size=4)))
 
     async def run(url: str):
         import httpx

@@ -68,7 +68,7 @@ def _inject(engine: AsyncEngine, place: str) -> Fault:
 @pytest.mark.parametrize("place", ["step", "abort", "queue update", "metrics"])
 def test_a_fault_anywhere_in_the_engine_thread_fails_every_request_within_the_bound(tiny, place):
     fatal = []
-    engine = AsyncEngine(LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_memory=1 << 20)),
+    engine = AsyncEngine(LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_memory_bytes=1 << 20)),
                          on_fatal=fatal.append)
     fault = _inject(engine, place)
     params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
@@ -116,7 +116,7 @@ def test_a_fault_anywhere_in_the_engine_thread_fails_every_request_within_the_bo
 
 
 def test_the_server_answers_500_internal_error_and_reports_unhealthy(tiny):
-    engine = AsyncEngine(LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_memory=1 << 20)))
+    engine = AsyncEngine(LLMEngine(tiny, EngineConfig(block_size=4, kv_cache_memory_bytes=1 << 20)))
     fault = _inject(engine, "step")
     app = build_app(engine, "tiny")
     long = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "temperature": 0}

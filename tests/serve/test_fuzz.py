@@ -21,7 +21,7 @@ from tests.serve.conftest import running_server
 
 def test_schemathesis_finds_no_server_errors(tmp_path):
     save_random_hf_model("llama", tmp_path)
-    engine = AsyncEngine(LLMEngine(load_model(str(tmp_path)), EngineConfig(kv_cache_memory=16 << 20)),
+    engine = AsyncEngine(LLMEngine(load_model(str(tmp_path)), EngineConfig(kv_cache_memory_bytes=16 << 20)),
                          ServerMetrics("tiny"))
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or "st"
     with running_server(build_app(engine, "tiny", result_cache=ResultCache())) as url:

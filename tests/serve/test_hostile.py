@@ -68,7 +68,7 @@ def hostile_server(tmp_path_factory):
     save_random_hf_model("llama", path, seed=4)
     loaded = load_model(str(path))
     loaded.tokenizer.hf.chat_template = ALTERNATING
-    engine = AsyncEngine(LLMEngine(loaded, EngineConfig(block_size=4, kv_cache_memory=1 << 20)))
+    engine = AsyncEngine(LLMEngine(loaded, EngineConfig(block_size=4, kv_cache_memory_bytes=1 << 20)))
     with running_server(build_app(engine, "tiny", max_body_bytes=LIMIT)) as url:
         yield url
     engine.shutdown()

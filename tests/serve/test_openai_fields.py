@@ -22,7 +22,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=128 << 20)), ServerMetrics(MODEL))
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=128 << 20)), ServerMetrics(MODEL))
     with running_server(build_app(engine, MODEL)) as url:
         yield url, engine
     engine.shutdown()
@@ -35,7 +35,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(smollm2):
-    return LLM(smollm2, kv_cache_memory=64 << 20)
+    return LLM(smollm2, kv_cache_memory_bytes=64 << 20)
 
 
 def post(server, path, body):

@@ -19,7 +19,7 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def server(smollm2):
     # One sequence at a time, so a second request has to queue.
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=1)),
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=64 << 20, max_num_seqs=1)),
                          max_queued_requests=2, max_queued_tokens=1000, queue_timeout=0.5)
     with running_server(build_app(engine, MODEL)) as url:
         yield url, engine

@@ -38,7 +38,7 @@ def test_openai_client_chat_completions_and_streaming(prefix_aware, model_dir):
     client = openai.OpenAI(base_url=prefix_aware + "/v1", api_key="x")
     prompt = "w10 w11 w12 w13 w14"
     text = client.completions.create(model=model_dir, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-    reference = LLM(model_dir, kv_cache_memory=4 << 20).generate(prompt, SamplingParams(temperature=0, max_tokens=8))
+    reference = LLM(model_dir, kv_cache_memory_bytes=4 << 20).generate(prompt, SamplingParams(temperature=0, max_tokens=8))
     assert text == reference[0].outputs[0].text, "a replica answers as the engine does in-process"
     streamed = client.completions.create(model=model_dir, prompt=prompt, max_tokens=8, temperature=0, stream=True,
                                          extra_headers={"Cache-Control": "no-cache"})

@@ -20,7 +20,7 @@ ADMIN = "admin-secret"
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=64 << 20)))
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=64 << 20)))
     cache = ResultCache(max_entries=8)
     with running_server(build_app(engine, MODEL, result_cache=cache, prompt_version="v1", admin_key=ADMIN)) as url:
         yield url, engine, cache
@@ -89,7 +89,7 @@ def test_admin_endpoint_refuses_bad_keys_and_versions(server, key, body, status,
 
 
 def test_admin_endpoints_are_off_without_an_admin_key(smollm2):
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory=16 << 20)))
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=16 << 20)))
     with running_server(build_app(engine, MODEL, result_cache=ResultCache())) as url:
         for reply in (httpx.get(url + "/admin/prompt-version"), set_version(url, "v2", key="anything")):
             assert reply.status_code == 403 and "--admin-key" in reply.json()["error"]["message"]

@@ -13,7 +13,7 @@ from tests.serve.conftest import serve_process
 
 
 def test_sigterm_lets_in_flight_requests_finish():
-    with serve_process("--shutdown-grace", "20", "--kv-cache-memory", str(64 << 20)) as (proc, url):
+    with serve_process("--shutdown-grace", "20", "--kv-cache-memory-bytes", str(64 << 20)) as (proc, url):
         body = {"prompt": "Count slowly:", "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         usage, accepted_new, signalled = None, None, False

@@ -75,7 +75,7 @@ def save_byte_level_qwen2(directory) -> None:
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2-tools")
     save_byte_level_qwen2(directory)
-    engine = AsyncEngine(LLMEngine(load_model(str(directory)), EngineConfig(kv_cache_memory=16 << 20)),
+    engine = AsyncEngine(LLMEngine(load_model(str(directory)), EngineConfig(kv_cache_memory_bytes=16 << 20)),
                          ServerMetrics("qwen2-tools"))
     with running_server(build_app(engine, "qwen2-tools")) as url:
         yield url
