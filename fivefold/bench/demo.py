@@ -199,7 +199,7 @@ def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
     latency of the same module on the same input, timed back to back."""
     import torch
 
-    from fivefold.fuse.fuse_job import build_fusable
+    from fivefold.fuse.job import build_fusable
     from fivefold.fuse.graph_fuse import fuse
     from fivefold.fuse.layout import median_us
 
@@ -258,7 +258,6 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     rows: list[LeverRow] = []
     hw = make_config(model, workload="throughput", num_requests=sizes.hardware_requests, input_len=sizes.input_len,
                      output_len=sizes.output_len, **baseline_engine)
-    # Dense-weight runs first: packing rewrites the shared model's projections in place.
     kernel = _with_engine(hw, decode_attention="kernel")
     rows.append(runner.row("2 hardware", "decode attention: gather + SDPA -> paged C++ kernel", "output tok/s",
                            ("output_tok_s",), hw, kernel, True, "decode attention"))

@@ -196,7 +196,7 @@ def test_a_fault_in_the_batcher_loop_fails_every_queued_request(place):
 
 
 def test_fivefold_serve_exits_1_when_its_engine_fails():
-    from fivefold.cli import _run_uvicorn
+    from fivefold.cli.serve import _run_uvicorn
     from tests.conftest import free_port
 
     worker = SimpleNamespace(on_fatal=None)

@@ -1,0 +1,61 @@
+"""What several commands share: the model and engine options, the sampling options, and
+the engine they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from fivefold.errors import FivefoldError
+from fivefold.models.registry import DEFAULT_LLM
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_LLM, help=f"built-in name, HF directory or GGUF file (default {DEFAULT_LLM})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-memory-bytes", type=float, default=None,
+                   help="KV cache pool in bytes (default 1 GiB)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV cache pool as a share of the available RAM, in (0, 1] (instead of bytes)")
+    p.add_argument("--kv-cache-memory", dest="renamed_kv_cache_memory", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--preallocation", default="none", choices=["none", "full", "predicted"])
+    p.add_argument("--weight-layout", default="packed", choices=["packed", "dense"],
+                   help="packed: oneDNN-reordered projection weights (default); dense: plain nn.Linear")
+    p.add_argument("--decode-attention", default="kernel", choices=["kernel", "torch"],
+                   help="kernel: the C++ paged decode kernel (default); torch: gather + SDPA")
+    p.add_argument("--prefill-attention", default="sdpa", choices=["sdpa", "tiled"],
+                   help="sdpa: PyTorch's flash-attention kernel (default); tiled: fivefold.models.tiled_attention")
+    p.add_argument("--hot-path", default="fused", choices=["fused", "eager"],
+                   help="fused: add+RMSNorm, SiLU*up and RoPE as one C++ kernel each (default); eager: PyTorch ops")
+    p.add_argument("--decode-loop", default="cpp", choices=["cpp", "python"],
+                   help="cpp: a decode step's layer loop in one C++ call where the model allows (default); "
+                        "python: the modules' forward")
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+def sampling(args):
+    from fivefold.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+def engine_options(args) -> dict:
+    if args.renamed_kv_cache_memory is not None:
+        raise FivefoldError("--kv-cache-memory was split in two: --kv-cache-memory-bytes B or "
+                            "--kv-cache-memory-fraction F (a share of the available RAM, in (0, 1])")
+    return dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+                preallocation=args.preallocation, weight_layout=args.weight_layout,
+                decode_attention=args.decode_attention, hot_path=args.hot_path,
+                prefill_attention=args.prefill_attention, decode_loop=args.decode_loop)
+def llm(args):
+    from fivefold.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, **engine_options(args))

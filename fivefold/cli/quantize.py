@@ -1,0 +1,60 @@
+"""``fivefold quantize``: the INT8 job (fivefold/quant/job.py)."""
+
+from __future__ import annotations
+
+from fivefold.errors import FivefoldError
+from fivefold.models.registry import DEFAULT_LLM
+
+
+def add_parser(sub) -> None:
+    """``fivefold quantize``'s arguments."""
+    qz = sub.add_parser("quantize", help="INT8: quantize an LLM, measure it against float, write a model directory")
+    qz.add_argument("--model", default=DEFAULT_LLM)
+    qz.add_argument("--scheme", default="w8a16", choices=["w8a16", "w8a8"])
+    qz.add_argument("--activation", default="dynamic", choices=["dynamic", "static"], help="w8a8 activations")
+    qz.add_argument("--activation-granularity", default="per-token", choices=["per-token", "per-tensor"],
+                    help="dynamic activations: one scale per token or per tensor")
+    qz.add_argument("--asymmetric", action="store_true", help="static activations with a zero point")
+    qz.add_argument("--calib", default="minmax", choices=["minmax", "percentile", "entropy", "mse"])
+    qz.add_argument("--percentile", type=float, default=99.99)
+    qz.add_argument("--granularity", default="per-channel", choices=["per-channel", "per-tensor"],
+                    help="weight scales")
+    qz.add_argument("--bias-correction", action="store_true")
+    qz.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                    help="W8A8: migrate activation outliers into the weights first (SmoothQuant, e.g. 0.7)")
+    qz.add_argument("--mixed-precision", action="store_true", help="keep the most sensitive layers float")
+    qz.add_argument("--max-ppl-increase", default="0.5%", help="mixed-precision budget, e.g. 0.5%% (default)")
+    qz.add_argument("--max-accuracy-drop", type=float, default=None,
+                    help="mixed-precision budget in points of next-token accuracy (instead of perplexity)")
+    qz.add_argument("--skip", nargs="*", default=[], help="module name patterns kept float, e.g. lm_head")
+    qz.add_argument("--num-calibration", type=int, default=16, help="calibration windows of --window tokens")
+    qz.add_argument("--num-eval", type=int, default=8, help="held-out windows for perplexity")
+    qz.add_argument("--window", type=int, default=256)
+    qz.add_argument("--out", required=True, help="output model directory")
+
+
+def _fraction(text: str, flag: str) -> float:
+    """'0.5%' or '0.5' (percent) -> 0.005."""
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise FivefoldError(f"{flag} takes a percentage such as 0.5%, got '{text}'") from None
+    if value < 0:
+        raise FivefoldError(f"{flag} must be >= 0, got '{text}'")
+    return value / 100
+def run(args) -> int:
+    from fivefold.quant.config import Int8Config
+    from fivefold.quant.job import QuantizeJob, run_quantize
+
+    if min(args.num_calibration, args.num_eval, args.window) < 1:
+        raise FivefoldError("--num-calibration, --num-eval and --window must be >= 1")
+    config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
+                        activation_granularity=args.activation_granularity,
+                        activation_symmetric=not args.asymmetric, calibration=args.calib,
+                        percentile=args.percentile, bias_correction=args.bias_correction,
+                        smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
+    job = QuantizeJob(args.model, config, args.out, args.mixed_precision,
+                      _fraction(args.max_ppl_increase, "--max-ppl-increase"), args.max_accuracy_drop,
+                      args.num_calibration, args.num_eval, args.window)
+    run_quantize(job)
+    return 0
