@@ -112,7 +112,9 @@ def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[s
         from fivefold.eval.text import text_windows
 
         windows = text_windows(llm.tokenizer, "heldout", config["eval_windows"], 256)
-        ppl, acc = language_metrics(loaded.model, windows)
+        # The model as the engine served it (its packed weights, its fused or eager hot path): W8A8's
+        # per-tensor activation scales notice even the float rounding of fused against eager ops.
+        ppl, acc = language_metrics(llm.engine.runner.model, windows)
         quality = {"heldout_perplexity": ppl, "heldout_next_token_accuracy": acc}
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_prompt = sum(len(p) for p in prompts)

@@ -47,11 +47,10 @@ def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: in
 def llm_rows(pairs, windows: list[list[int]]) -> list[dict]:
     """Parameters, held-out perplexity and single-stream decode tok/s (best of 2) of each
     (name, LoadedModel), with the change against the first."""
-    from fivefold.eval.language import perplexity
-    from fivefold.eval.language import decode_speed
+    from fivefold.eval.language import decode_speed, perplexity, served_model
 
     rows = [{"variant": name, "parameters": loaded.config.num_parameters(),
-             "perplexity": perplexity(loaded.model, windows), "decode_tok_s": decode_speed(loaded, 1, 64)}
+             "perplexity": perplexity(served_model(loaded), windows), "decode_tok_s": decode_speed(loaded, 1, 64)}
             for name, loaded in pairs]
     for r in rows:
         r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1

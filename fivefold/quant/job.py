@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.eval.language import decode_speed, language_metrics, llm_forward, next_token_accuracy, perplexity
+from fivefold.eval.language import (
+    decode_speed,
+    language_metrics,
+    llm_forward,
+    next_token_accuracy,
+    perplexity,
+    served_model,
+)
 from fivefold.eval.text import text_windows
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
@@ -38,7 +45,7 @@ class QuantizeJob:
 
 
 def evaluate(loaded, eval_windows, job: QuantizeJob) -> dict[str, Any]:
-    ppl, acc = language_metrics(loaded.model, eval_windows)
+    ppl, acc = language_metrics(served_model(loaded), eval_windows)
     return {"perplexity": ppl, "next_token_accuracy": acc,
             **{f"decode_tok_s_batch{b}": decode_speed(loaded, b, job.speed_tokens) for b in job.speed_batches}}
 
