@@ -33,6 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-loop", default="cpp", choices=["cpp", "python"],
                    help="cpp: a decode step's layer loop in one C++ call where the model allows (default); "
                         "python: the modules' forward")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -40,11 +42,15 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+
+
 def sampling(args):
     from fivefold.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
 def engine_options(args) -> dict:
     if args.renamed_kv_cache_memory is not None:
         raise FivefoldError("--kv-cache-memory was split in two: --kv-cache-memory-bytes B or "
@@ -55,6 +61,8 @@ def engine_options(args) -> dict:
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
                 decode_attention=args.decode_attention, hot_path=args.hot_path,
                 prefill_attention=args.prefill_attention, decode_loop=args.decode_loop)
+
+
 def llm(args):
     from fivefold.llm import LLM
 

@@ -33,6 +33,8 @@ def _stream_to_stdout(llm, prompt, params) -> tuple[int, float]:
     end = time.perf_counter()
     decode_s = end - (first or end)
     return num_tokens, (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
+
+
 def run(args) -> int:
     params = common.sampling(args)
     llm = common.llm(args)

@@ -42,6 +42,8 @@ def _fraction(text: str, flag: str) -> float:
     if value < 0:
         raise FivefoldError(f"{flag} must be >= 0, got '{text}'")
     return value / 100
+
+
 def run(args) -> int:
     from fivefold.quant.config import Int8Config
     from fivefold.quant.job import QuantizeJob, run_quantize

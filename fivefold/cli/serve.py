@@ -70,6 +70,8 @@ def _run_uvicorn(app, args, worker=None) -> int:
         worker.on_fatal = on_fatal
     server.run()
     return 1 if failed else 0
+
+
 def _serve_encoder(args, path) -> int:
     from fivefold.batching.config import DEFAULT_LENGTH_BUCKETS, BatcherConfig
     from fivefold.serve.embeddings import create_embeddings_server
@@ -93,6 +95,8 @@ def _serve_encoder(args, path) -> int:
         return _run_uvicorn(app, args, batcher)
     finally:
         batcher.shutdown()
+
+
 def _server_spec(args):
     from fivefold.serve.app import ServerSpec
 
@@ -103,6 +107,8 @@ def _server_spec(args):
                       result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
                       prompt_version=args.prompt_version, cache_namespace=args.cache_namespace,
                       redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes)
+
+
 def _serve_replicas(args, spec) -> int:
     from fivefold.engine.config import EngineConfig
     from fivefold.models.loader import load_tokenizer
@@ -133,6 +139,8 @@ def _serve_replicas(args, spec) -> int:
     finally:
         replicas.shutdown()
     return 0
+
+
 def run(args) -> int:
     from fivefold.batching.encoder import is_encoder_dir
     from fivefold.models.registry import resolve_model_path

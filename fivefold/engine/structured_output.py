@@ -106,8 +106,11 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the {spec.kind} constraint does not compile: {error.strip()[:300]}")
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
-        self.check(spec)
-        return Grammar(_llguidance().LLMatcher(self._tokenizer, self.grammar_text(spec), log_level=0))
+        """A fresh matcher for ``spec`` (InvalidRequestError if it does not compile)."""
+        matcher = _llguidance().LLMatcher(self._tokenizer, self.grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"the {spec.kind} constraint does not compile: {matcher.get_error().strip()[:300]}")
+        return Grammar(matcher)
 
     def allocate_mask(self, num_rows: int) -> torch.Tensor:
         return _llguidance().torch.allocate_token_bitmask(num_rows, self.vocab_size)

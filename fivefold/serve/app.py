@@ -642,42 +642,29 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         params = sampling(req, 1 if is_scoring else max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
         n = params.n
 
-        def echoed(out, k) -> tuple[str, list[dict] | None]:
-            """The prompt part of an echoed choice: its text and logprob entries."""
-            ids = prompts[k // n]
-            if echo_logprobs is None:
-                return texts[k // n], None
-            first = {"token_id": ids[0], "logprob": None, "top": None}
-            return texts[k // n], [first, *(out.prompt_logprobs or [None])[1:]]
+        def shaped(out, k, text: str, entries, finish, with_prompt: bool) -> dict:
+            """A choice's (or a chunk's) fields: a scored prompt's generated token dropped, the
+            prompt (and its logprobs, the first null) put in front when ``with_prompt``."""
+            if is_scoring:
+                text, entries = "", [] if entries is not None else None
+                finish = "length" if finish else None
+            if with_prompt:
+                text = texts[k // n] + text
+                if echo_logprobs is not None:
+                    first = {"token_id": prompts[k // n][0], "logprob": None, "top": None}
+                    entries = [first, *(out.prompt_logprobs or [None])[1:], *(entries or [])]
+            return {"text": text, "logprobs": completion_logprobs(entries), "finish_reason": finish}
 
         def choice_of(out, k):
             c = out.outputs[0]
-            text, entries = c.text, c.logprobs
-            if is_scoring:
-                text, entries = "", [] if entries is not None else None
-            if req.echo:
-                prompt_text, prompt_entries = echoed(out, k)
-                text = prompt_text + text
-                if prompt_entries is not None:
-                    entries = prompt_entries + (entries or [])
-            return {"text": text, "logprobs": completion_logprobs(entries),
-                    "finish_reason": "length" if is_scoring else c.finish_reason}
+            return shaped(out, k, c.text, c.logprobs, c.finish_reason, req.echo)
 
         echoed_choices: set[int] = set()
 
         def delta_of(out, k):
-            text, entries = out.delta_text, new_entries(out)
-            if is_scoring:
-                text, entries = "", [] if entries is not None else None
-            if req.echo and k not in echoed_choices:  # the first chunk of a choice carries the prompt
-                echoed_choices.add(k)
-                prompt_text, prompt_entries = echoed(out, k)
-                text = prompt_text + text
-                if prompt_entries is not None:
-                    entries = prompt_entries + (entries or [])
-            finish = out.outputs[0].finish_reason
-            return {"text": text, "logprobs": completion_logprobs(entries),
-                    "finish_reason": "length" if is_scoring and finish else finish}
+            first_chunk = req.echo and k not in echoed_choices  # the first chunk of a choice carries the prompt
+            echoed_choices.add(k)
+            return shaped(out, k, out.delta_text, new_entries(out), out.outputs[0].finish_reason, first_chunk)
 
         usage_of = (lambda outs: usage(prompts, outs, n, 0)) if is_scoring else None
         return await respond("completions", req, request, prompts, params, choice_of, delta_of, usage_of)

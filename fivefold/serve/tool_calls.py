@@ -23,6 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from fivefold.engine.llm_engine import stop_prefix_len
 from fivefold.errors import InvalidRequestError
 from fivefold.sampling_params import StructuredOutputs
 
@@ -85,8 +86,6 @@ class ToolCallStream:
 
     def feed(self, delta: str, is_final: bool = False) -> tuple[str, list[dict]]:
         """(content to emit now, calls completed now)."""
-        from fivefold.engine.llm_engine import stop_prefix_len
-
         self.pending += delta
         content, calls = [], []
         while True:
