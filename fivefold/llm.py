@@ -21,9 +21,12 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str | LoadedModel = DEFAULT_LLM, dtype: str = "float32", **engine_options) -> None:
+    def __init__(self, model: str | LoadedModel = DEFAULT_LLM, dtype: str = "float32",
+                 draft: LoadedModel | None = None, **engine_options) -> None:
+        """``engine_options``: EngineConfig's fields (e.g. ``speculative="ngram"``). ``draft``: an
+        already loaded draft model for ``speculative="draft"`` (else ``draft_model`` is loaded)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(**engine_options))
+        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(**engine_options), draft=draft)
         self.tokenizer = self.loaded.tokenizer
 
     def generate(

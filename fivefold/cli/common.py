@@ -33,6 +33,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-loop", default="cpp", choices=["cpp", "python"],
                    help="cpp: a decode step's layer loop in one C++ call where the model allows (default); "
                         "python: the modules' forward")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram (prompt lookup) or draft (--draft-model proposes); default off")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step (1-16)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft of --speculative draft: a model with the target's tokenizer (e.g. the "
+                        "directory `fivefold distill --out DIR` writes)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -60,7 +68,10 @@ def engine_options(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
                 decode_attention=args.decode_attention, hot_path=args.hot_path,
-                prefill_attention=args.prefill_attention, decode_loop=args.decode_loop)
+                prefill_attention=args.prefill_attention, decode_loop=args.decode_loop,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                draft_model=args.draft_model)
 
 
 def llm(args):

@@ -13,6 +13,7 @@ DECODE_ATTENTION_BACKENDS = ("kernel", "torch")
 HOT_PATHS = ("fused", "eager")
 PREFILL_ATTENTION_BACKENDS = ("sdpa", "tiled")
 DECODE_LOOPS = ("cpp", "python")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 def available_memory_bytes() -> int:
@@ -65,6 +66,11 @@ class EngineConfig:
     (fivefold.models.native_decode: the same kernels, no Python between them), where the model
     allows it (float32, fused hot path, kernel decode attention; the others keep the Python
     loop); "python" always runs the modules' forward. Prefill steps run the Python loop either way.
+    speculative: None (off, the default), "ngram" (prompt lookup) or "draft" (``draft_model``
+    proposes): up to ``num_speculative_tokens`` tokens proposed per decoding row and verified in
+    one target pass (fivefold.engine.speculative). prompt_lookup_min / prompt_lookup_max: the
+    n-gram lengths the prompt-lookup proposer matches, longest first. draft_model: a model
+    name or path with the target's tokenizer, e.g. the student ``fivefold distill`` writes.
     """
 
     block_size: int = 16
@@ -80,6 +86,11 @@ class EngineConfig:
     hot_path: str = "fused"
     prefill_attention: str = "sdpa"
     decode_loop: str = "cpp"
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -114,6 +125,14 @@ class EngineConfig:
                                 f"got '{self.prefill_attention}'")
         if self.decode_loop not in DECODE_LOOPS:
             raise FivefoldError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got '{self.decode_loop}'")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise FivefoldError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (or None), "
+                                f"got '{self.speculative}'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise FivefoldError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise FivefoldError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                                f"and {self.prompt_lookup_max}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

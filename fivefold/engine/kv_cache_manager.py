@@ -138,6 +138,17 @@ class KVCacheManager:
             seq.block_ids.append(block_id)
         return True
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past the first ``num_tokens`` slots (e.g. those that held
+        rejected speculative tokens). Only unpublished, unshared tail blocks can be there."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_ids) > keep:
+            block_id = seq.block_ids.pop()
+            assert self.ref_counts[block_id] == 1 and (self.prefix_cache is None or
+                                                       not self.prefix_cache.contains_block(block_id))
+            self.ref_counts[block_id] = 0
+            self.free_block_ids.append(block_id)
+
     def _evict(self, num_blocks: int) -> None:
         assert self.prefix_cache is not None
         evicted = self.prefix_cache.evict(num_blocks, lambda b: self.ref_counts[b] == 0)

@@ -19,6 +19,7 @@ from fivefold.engine.outputs import CompletionOutput, RequestOutput
 from fivefold.engine.sampler import Sampler
 from fivefold.engine.scheduler import Scheduler
 from fivefold.engine.sequence import Sequence
+from fivefold.engine.speculative import SpeculativeStats, can_speculate, make_proposer, num_proposals_allowed, verify
 from fivefold.engine.structured_output import GrammarCompiler
 from fivefold.errors import InvalidRequestError
 from fivefold.models.loader import LoadedModel
@@ -51,7 +52,10 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        """``draft``: the draft model of ``speculative="draft"`` when it is already loaded (else
+        ``config.draft_model`` is loaded)."""
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -61,6 +65,9 @@ class LLMEngine:
                                        self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
         self.sampler = Sampler()
+        self.proposer = make_proposer(self.config, draft, self.runner.num_blocks, loaded.config.vocab_size,
+                                      loaded.model.dtype)
+        self.spec_stats = SpeculativeStats()
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
@@ -168,14 +175,16 @@ class LLMEngine:
         if state is not None and not state.seq.is_finished:
             state.seq.finish("abort")
             state.seq.metrics.finished_time = time.monotonic()
-            self.scheduler.finish(state.seq)
+            self._finish(state.seq)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every sequence that got a token."""
+        """Run one iteration; return an output for every sequence that got tokens."""
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -188,32 +197,85 @@ class LLMEngine:
                     seq.prompt_logprobs.append({"token_id": seq.prompt_token_ids[position], "logprob": logprob,
                                                 "top": top})
         self.scheduler.commit_computed(batch)
-        sampling = result.sampling
-        if not sampling:
+        if not result.sampling:
             return []
         with torch.profiler.record_function("fivefold::sampling"):  # named so the profiler can attribute it
-            sampled = self.sampler(result.logits, sampling)
+            new_tokens = self._sample(result.logits, result.sampling)
         now = time.monotonic()
         outputs = []
-        for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+        for seq, (token_ids, logprobs) in zip(result.sampling, new_tokens):
             state = self.requests[seq.request_id]
-            seq.token_ids.append(token_id)
+            if seq.spec_token_ids:
+                self.spec_stats.num_drafts += 1
+                self.spec_stats.num_draft_tokens += len(seq.spec_token_ids)
+                self.spec_stats.num_accepted_tokens += len(token_ids) - 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            if logprob is not None:
-                seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
-            state.text += state.detokenizer.add([token_id])
-            if seq.grammar is not None:
-                seq.grammar.advance(token_id)
-            self._check_stop(state, token_id)
-            if not seq.is_finished and seq.grammar is not None and seq.grammar.is_complete:
-                seq.finish("stop", token_id)  # the grammar is complete (its EOS even with ignore_eos)
+            emitted = []
+            for token_id, logprob in zip(token_ids, logprobs):
+                self._append(state, token_id, logprob)
+                emitted.append(token_id)
+                if seq.is_finished:
+                    break
             if seq.is_finished:
                 seq.metrics.finished_time = now
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(state, [token_id]))
+            elif seq.spec_token_ids:
+                self.scheduler.commit_accepted(seq, len(token_ids) - 1)
+            outputs.append(self._output(state, emitted))
         return outputs
+
+    def _propose(self) -> None:
+        """Give each decoding row that can speculate its proposals for this step."""
+        k = self.config.num_speculative_tokens
+        requests = [(seq, n) for seq in self.scheduler.running
+                    if can_speculate(seq) and (n := num_proposals_allowed(seq, k, self.max_model_len)) > 0]
+        if not requests:
+            return
+        with torch.profiler.record_function("fivefold::propose"):
+            drafts = self.proposer.propose(requests)
+        for (seq, _), draft in zip(requests, drafts):
+            seq.spec_token_ids = draft
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list]]:
+        """Per sequence: (new tokens, their logprob entries or None). Rows with proposals are
+        verified (speculative.verify); the others sampled as usual, in one call each."""
+        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+        found: list = [None] * len(seqs)
+        if len(plain) == len(seqs):
+            sampled = self.sampler(logits, seqs)
+            return [([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
+        first_rows = [0]
+        for seq in seqs:
+            first_rows.append(first_rows[-1] + len(seq.spec_token_ids) + 1)
+        if plain:
+            sampled = self.sampler(logits[[first_rows[i] for i in plain]], [seqs[i] for i in plain])
+            for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+                found[i] = ([t], [lp])
+        spec = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        rows = [r for i in spec for r in range(first_rows[i], first_rows[i + 1])]
+        for i, kept in zip(spec, verify(logits[rows], [seqs[i] for i in spec])):
+            found[i] = (kept, [None] * len(kept))  # speculating rows ask for no logprobs (can_speculate)
+        return found
+
+    def _append(self, state: _RequestState, token_id: int, logprob) -> None:
+        """One new token: to the sequence, its logprobs, text and grammar; then the stop checks."""
+        seq = state.seq
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
+        state.text += state.detokenizer.add([token_id])
+        if seq.grammar is not None:
+            seq.grammar.advance(token_id)
+        self._check_stop(state, token_id)
+        if not seq.is_finished and seq.grammar is not None and seq.grammar.is_complete:
+            seq.finish("stop", token_id)  # the grammar is complete (its EOS even with ignore_eos)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _check_stop(self, state: _RequestState, token_id: int) -> None:
         seq, params = state.seq, state.seq.params
@@ -280,4 +342,5 @@ class LLMEngine:
             "num_reservations_too_small": res.num_too_small,
             "num_reservations_too_large": res.num_too_large,
             "num_reserved_blocks_unused": res.num_unused_blocks,
+            **self.spec_stats.as_dict(),
         }

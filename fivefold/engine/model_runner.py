@@ -25,7 +25,7 @@ from fivefold.models.native_decode import NativeDecoder
 class StepResult:
     """What one model step gives the engine."""
 
-    logits: torch.Tensor  # [len(sampling), vocab]
+    logits: torch.Tensor  # [sum(1 + len(seq.spec_token_ids) for seq in sampling), vocab]
     sampling: list[Sequence]  # the sequences that sample a token this step
     # request id -> (first prompt position covered, [(logprob, top pairs)] of the following prompt tokens)
     prompt_logprobs: dict = field(default_factory=dict)
@@ -96,6 +96,8 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, n in scheduled:
             input_ids += seq.token_ids[seq.num_computed_tokens: seq.num_computed_tokens + n]
+            if seq.spec_token_ids:
+                input_ids += seq.spec_token_ids  # the scheduler counted them in n
         row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), num_new)  # [T]
         positions = torch.arange(num_tokens) - query_start[:-1][row_of_token] + starts[row_of_token]
         max_blocks = max(len(seq.block_ids) for seq, _ in scheduled)
@@ -124,8 +126,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows, sampling = [], []
         for i, (seq, num_new) in enumerate(scheduled):
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                rows.append(meta.query_start_loc[i + 1] - 1)
+            num_proposed = len(seq.spec_token_ids)
+            if seq.num_computed_tokens + num_new == seq.num_tokens + num_proposed:
+                # The last token's logits, and with proposals each proposal's (to verify them).
+                end = meta.query_start_loc[i + 1]
+                rows.extend(range(end - 1 - num_proposed, end))
                 sampling.append(seq)
         prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if not rows:

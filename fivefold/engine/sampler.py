@@ -98,6 +98,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         raw = logits
+        logits = self.adjusted_logits(logits, seqs)
+        token_ids = logits.argmax(dim=-1).tolist()
+        probs = self.probabilities(logits, seqs)
+        if probs is not None:
+            for row, seq in enumerate(seqs):
+                if not seq.params.is_greedy:
+                    token_ids[row] = int(torch.multinomial(probs[row], 1, generator=seq.generator))
+        return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [s.params.logprobs for s in seqs]))
+
+    @staticmethod
+    def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logit bias, penalties and grammar masks applied (a copy when any applies); row i is of seqs[i]."""
+        raw = logits
         if any(s.params.logit_bias for s in seqs):
             logits = apply_logit_bias(logits.clone(), seqs)
         if any(s.params.has_penalties for s in seqs):
@@ -107,17 +120,18 @@ class Sampler:
             with torch.profiler.record_function("fivefold::grammar_mask"):
                 logits = logits.clone() if logits is raw else logits
                 apply_grammar_masks(logits, grammars)
+        return logits
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The distribution each sampled row draws from (temperature, then top-k/top-p/min-p), or
+        None when every row is greedy; greedy rows' entries are not meaningful."""
         greedy = [s.params.is_greedy for s in seqs]
-        token_ids = logits.argmax(dim=-1).tolist()
-        if not all(greedy):
-            temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
-            # A tiny repetition penalty or temperature can push a logit past float32's range; an inf
-            # would turn softmax into NaN. Saturate instead: the largest logits stay the largest.
-            finfo = torch.finfo(logits.dtype)
-            scaled = torch.nan_to_num(logits / temps.unsqueeze(1), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-            scaled = apply_top_k_top_p_min_p(scaled, seqs)
-            probs = scaled.softmax(dim=-1)
-            for row, seq in enumerate(seqs):
-                if not greedy[row]:
-                    token_ids[row] = int(torch.multinomial(probs[row], 1, generator=seq.generator))
-        return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [s.params.logprobs for s in seqs]))
+        if all(greedy):
+            return None
+        temps = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
+        # A tiny repetition penalty or temperature can push a logit past float32's range; an inf
+        # would turn softmax into NaN. Saturate instead: the largest logits stay the largest.
+        finfo = torch.finfo(logits.dtype)
+        scaled = torch.nan_to_num(logits / temps.unsqueeze(1), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+        return apply_top_k_top_p_min_p(scaled, seqs).softmax(dim=-1)

@@ -60,10 +60,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            self.preallocation.on_step(seq, num_new)
+            num_new = min(seq.num_scheduled_tokens_wanted, budget)
+            del seq.spec_token_ids[max(0, num_new - seq.num_uncomputed_tokens):]  # proposals past the budget
+            self.preallocation.on_step(seq, num_new - len(seq.spec_token_ids))
             lookahead = self.preallocation.lookahead(seq, num_new)
             while not self.kv_cache.allocate_slots(seq, num_new, num_lookahead_tokens=lookahead):
+                if seq.spec_token_ids:  # short of blocks: drop the proposals before preempting anyone
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids.clear()
+                    lookahead = self.preallocation.lookahead(seq, num_new)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -133,6 +139,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv_cache.free(seq)
+        seq.spec_token_ids.clear()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -143,11 +150,22 @@ class Scheduler:
         """After the forward pass: the scheduled tokens are in the KV cache. Advance progress
         counters and publish newly completed blocks to the prefix cache."""
         for seq, num_new in batch.scheduled:
-            seq.num_computed_tokens += num_new
+            # Proposals are not the sequence's tokens until verified: see commit_accepted.
+            seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
             self.kv_cache.cache_full_blocks(seq)
+
+    def commit_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the first ``num_accepted`` proposals were appended to ``seq``'s
+        tokens, and their keys and values, computed this step, are valid. The rejected tail's
+        slots are released: blocks beyond what the sequence holds (and its reservation) go back."""
+        seq.num_computed_tokens += num_accepted
+        seq.spec_token_ids.clear()
+        self.kv_cache.cache_full_blocks(seq)
+        self.kv_cache.free_tail(seq, max(seq.num_tokens, seq.num_reserved_tokens))
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks in this step."""
+        seq.spec_token_ids.clear()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -75,6 +75,9 @@ class Sequence:
     # entries of prompt tokens 1.. (SamplingParams.prompt_logprobs), in order, each computed once
     prompt_logprobs: list[dict] = field(default_factory=list)
     grammar: "Grammar | None" = None  # SamplingParams.structured_outputs, compiled (structured_output.py)
+    # Proposed continuation of token_ids (speculative decoding): computed this step after the last
+    # token, verified against the target's logits, then dropped; never counted in num_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -108,6 +111,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_scheduled_tokens_wanted(self) -> int:
+        """Tokens a step would compute for this sequence: the uncomputed ones plus the proposals."""
+        return self.num_uncomputed_tokens + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -6,12 +6,14 @@ No model runs: the next token is a function of the tokens so far, so every step 
 cheap and a failure replays exactly from its seed. Arrivals mix identical prompts,
 block-aligned prefixes of them, shared starts with random tails and random prompts;
 sequences are prefilled in chunks, preempted when the pool runs dry, aborted at random
-and finished by length. After every step and abort:
+and finished by length; with ``speculation_rate`` decoding rows also get speculative
+proposals, of which a random prefix is accepted (the rejected tail's blocks released). After every step and abort:
 
 - ``KVCacheManager.check_integrity``: free + cached + in use == total, ref counts equal
   the live block tables, and every block counted as evictable can be evicted now;
 - each waiting/running sequence is in exactly one queue, and nothing is lost: every
   request added is live or finished;
+- no running sequence holds a block past its tokens and its reservation;
 - the whole pool is reclaimable: evicting every evictable block leaves none cached.
 
 ``run_stress(seed, num_ops)`` is what the test suite runs with a fixed seed and
@@ -44,6 +46,7 @@ class StressConfig:
     max_live: int = 24  # no new wave while this many requests are live (the queue stays bounded)
     enable_prefix_caching: bool = True
     preallocation: str = "none"
+    speculation_rate: float = 0.0  # chance that a decoding row gets 1-4 proposals in a step
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.prompt_len < 1:
@@ -60,6 +63,7 @@ class StressResult:
     num_aborted: int = 0
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
+    num_accepted_tokens: int = 0  # speculative proposals accepted (speculation_rate > 0)
 
 
 def _prompt(rng: random.Random, base: list[int], cfg: StressConfig) -> list[int]:
@@ -81,6 +85,9 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager, live: dict[str, Seque
     assert set(queued) == set(live), "a live request is in no queue, or a finished one still is"
     for seq in sched.running:
         assert seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens <= seq.num_tokens
+        # No block beyond the sequence's tokens and reservation (a rejected proposal's tail is released).
+        limit = kv.num_blocks_for(max(seq.num_tokens + len(seq.spec_token_ids), seq.num_reserved_tokens))
+        assert len(seq.block_ids) <= limit, f"{seq.request_id} holds {len(seq.block_ids)} blocks, needs {limit}"
     for seq in sched.waiting:
         assert not seq.block_ids and seq.num_computed_tokens == 0, "a waiting sequence holds blocks"
 
@@ -121,16 +128,28 @@ def run_stress(seed: int, num_steps: int = 400, cfg: StressConfig = StressConfig
                 sched.finish(seq)
                 result.num_aborted += 1
                 check_invariants(sched, kv, live)
+            for seq in sched.running:  # speculation: proposals, a random prefix of which is accepted
+                room = seq.params.max_tokens - seq.num_output_tokens - 1
+                if seq.num_uncomputed_tokens == 1 and room > 0 and rng.random() < cfg.speculation_rate:
+                    seq.spec_token_ids = [rng.randrange(1, 500) for _ in range(rng.randint(1, min(4, room)))]
             batch = sched.schedule()
             sched.commit_computed(batch)
             for seq, _ in batch.scheduled:
                 if seq.num_computed_tokens == seq.num_tokens and not seq.is_finished:
-                    seq.token_ids.append(1000 + sum(seq.token_ids[-8:]) % 997)  # the "model"
+                    proposals = seq.spec_token_ids
+                    num_accepted = rng.randint(0, len(proposals)) if proposals else 0
+                    for token in proposals[:num_accepted] + [1000 + sum(seq.token_ids[-8:]) % 997]:  # the "model"
+                        seq.token_ids.append(token)
+                        if seq.num_output_tokens >= seq.params.max_tokens:
+                            break
                     if seq.num_output_tokens >= seq.params.max_tokens:
                         seq.finish("length")
                         sched.finish(seq)
                         del live[seq.request_id]
                         result.num_finished += 1
+                    elif proposals:
+                        sched.commit_accepted(seq, num_accepted)
+                        result.num_accepted_tokens += num_accepted
             result.num_steps = step + 1
             check_invariants(sched, kv, live)
         for seq in list(live.values()):  # drain: abort what is left, then the pool must be whole again

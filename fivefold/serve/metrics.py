@@ -43,6 +43,12 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.result_cache_hits = counter("result_cache_hits", "Requests answered from the result cache.")
         self.result_cache_misses = counter("result_cache_misses", "Cacheable requests not in the result cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of a row with speculative proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_acceptance_rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed tokens since start.")
+        self.spec_mean_accepted_length = gauge("spec_decode_mean_accepted_length",
+                                               "Tokens per verification (accepted proposals + 1) since start.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
@@ -53,6 +59,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._last_spec = (0, 0, 0)
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()
@@ -71,6 +78,14 @@ class ServerMetrics:
         self._last_prefix = (queries, hits)
         self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
         self._last_preemptions = sched.num_preemptions
+        spec = engine.spec_stats
+        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for metric, now_count, last in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+                                           counts, self._last_spec):
+            metric.inc(now_count - last)
+        self._last_spec = counts
+        self.spec_acceptance_rate.set(spec.acceptance_rate)
+        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
         for out in outputs:
             self.generation_tokens.inc(len(out.delta_token_ids))
             last = self._last_token_time.get(out.request_id)

@@ -24,23 +24,29 @@ CONFIGS = {
     "no-prefix-cache": StressConfig(enable_prefix_caching=False),
     "tiny-chunks": StressConfig(num_blocks=40, block_size=4, prompt_len=40, max_tokens=100,
                                 max_num_batched_tokens=16),
+    "speculation": StressConfig(speculation_rate=0.5),
+    "speculation-reserve-full": StressConfig(speculation_rate=0.5, preallocation="full"),
+    "speculation-tiny-chunks": StressConfig(num_blocks=40, block_size=4, prompt_len=40, max_tokens=100,
+                                            max_num_batched_tokens=16, speculation_rate=0.7),
 }
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_random_workloads_keep_every_invariant(name):
-    totals = {"finished": 0, "aborted": 0, "preemptions": 0, "hits": 0}
+    totals = {"finished": 0, "aborted": 0, "preemptions": 0, "hits": 0, "accepted": 0}
     for seed in range(40):
         r = run_stress(seed, 300, CONFIGS[name])
         totals["finished"] += r.num_finished
         totals["aborted"] += r.num_aborted
         totals["preemptions"] += r.num_preemptions
         totals["hits"] += r.num_prefix_hit_tokens
+        totals["accepted"] += r.num_accepted_tokens
     # The workload reaches what it is for: finishes, aborts, preemption and (with the cache) prefix hits.
     assert totals["finished"] > 100 and totals["aborted"] > 20, totals
     # Reserving every request's whole length at admission is what makes preemption unnecessary.
     assert (totals["preemptions"] > 20) == (CONFIGS[name].preallocation != "full"), totals
     assert (totals["hits"] > 0) == CONFIGS[name].enable_prefix_caching, totals
+    assert (totals["accepted"] > 100) == (CONFIGS[name].speculation_rate > 0), totals
 
 
 def test_a_private_copy_is_never_linked_below_a_block_its_sequence_does_not_hold():
