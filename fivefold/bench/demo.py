@@ -42,12 +42,15 @@ class DemoSizes:
     cnn_image_size: int = 224  # input of the CNN fusion rows (ResNet-18, MobileNet-V2 at batch 1)
     embedding_requests: int = 256  # per closed-loop run of the dynamic-batching row (32 clients)
     digits_epochs: int = 12  # training of the digits ResNet the structure rows prune and distill
+    copy_requests: int = 2  # passages of the speculation rows' copy workload, one after another
+    copy_output_len: int = 96
+    draft_distill_steps: int = 40  # KD steps of the every-other-layer student the draft row uses
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
                   output_len=32, profile_seq=128, eval_windows=4)
 FULL = DemoSizes(hardware_requests=32, batching_requests=64, prefix_requests=32, prefix_len=512, input_len=128,
-                 output_len=64, profile_seq=256, eval_windows=8)
+                 output_len=64, profile_seq=256, eval_windows=8, copy_requests=4, copy_output_len=128)
 KV_CACHE_BYTES = float(512 << 20)
 
 
@@ -192,6 +195,41 @@ def _dynamic_batching_row(num_requests: int, console) -> LeverRow:
                     f"none: min cosine {cosine:.6f}; padding efficiency {on['padding_efficiency']:.0%}")
 
 
+def distilled_student(model: str, out_dir: Path, steps: int, console) -> Path:
+    """The every-other-layer student of ``model`` that ``fivefold distill`` writes (``steps`` KD
+    steps), under ``out_dir``; made once, reused while its report names the same job."""
+    from fivefold.compress.job import DistillJob, run_distill
+
+    job = DistillJob(model, str(out_dir / f"student-{steps}"), steps=steps)
+    report = Path(job.out_dir) / "report.json"
+    if report.exists() and json.loads(report.read_text()).get("job", {}).get("steps") == steps:
+        console.print(f"  draft: the distilled student in {job.out_dir} (made earlier)")
+    else:
+        console.print(f"  running: fivefold distill --teacher {model} --steps {steps} (the draft model) ...")
+        run_distill(job, console)
+    return Path(job.out_dir)
+
+
+def _speculation_rows(runner: "_Runner", model: str, sizes: DemoSizes, out_dir: Path, console) -> list[LeverRow]:
+    """Prompt lookup and the distilled student as draft, each against the same engine without
+    speculation, on the copy workload, one request at a time (greedy: output identical)."""
+    student = distilled_student(model, out_dir, sizes.draft_distill_steps, console)
+    rows = []
+    for method, k, extra in (("ngram", 4, {}), ("draft", 3, {"draft_model": str(student)})):
+        plain = make_config(model, workload="copy", num_requests=sizes.copy_requests, output_len=sizes.copy_output_len,
+                            kv_cache_memory_bytes=KV_CACHE_BYTES, num_speculative_tokens=k, **extra)
+        fast = _with_engine(plain, speculative=method)
+        row = runner.row("4 scheduling", "speculative decoding: off -> " + (
+            "prompt lookup (ngram, k 4), copy workload" if method == "ngram" else
+            f"draft = every-other-layer student ({sizes.draft_distill_steps} KD steps, k 3), copy workload"),
+            "decode tok/s", ("decode_tok_s",), plain, fast, True, f"speculation, {method}")
+        spec = runner.metrics[row.runs[1]]["speculative"]
+        row.accuracy += (f"; acceptance {spec['spec_acceptance_rate']:.0%}, "
+                         f"{spec['spec_mean_accepted_length']:.2f} tokens per verification")
+        rows.append(row)
+    return rows
+
+
 def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
     """``fuse`` (BN folding, oneDNN post-ops, channels_last) on the reference CNNs at batch 1.
 
@@ -282,6 +320,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
                            output_len=4, prefix_len=sizes.prefix_len, enable_prefix_caching=False,
                            kv_cache_memory_bytes=KV_CACHE_BYTES)
     rows.append(_dynamic_batching_row(sizes.embedding_requests, console))
+    rows += _speculation_rows(runner, model, sizes, out_dir, console)
     cached = _with_engine(no_cache, enable_prefix_caching=True)
     rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
                            "mean TTFT (ms)", ("ttft_s", "mean"), no_cache, cached, False, "prefix cache"))

@@ -6,7 +6,10 @@ Workloads (prompts cut from pydoc_data's held-out part, fixed seed):
   shared-prefix  ``num_requests`` prompts made of one ``prefix_len``-token prefix and
                  ``input_len`` tokens of their own, submitted one after another (each
                  finishes before the next arrives, as turns of chats sharing a system
-                 prompt do).
+                 prompt do);
+  copy           ``num_requests`` held-out passages followed by the passage begun again
+                 (fivefold.eval.text.copy_prompts: continuing means copying, the workload
+                 of prompt-lookup speculation), one after another, ``output_len`` tokens each.
 
 The configuration (workload and every engine option) is the whole recipe: a run
 re-created from it (``fivefold runs rollback ID`` then ``fivefold bench --recipe``)
@@ -24,7 +27,7 @@ from typing import Any
 from fivefold.bench.report import latency_stats
 from fivefold.errors import FivefoldError
 
-WORKLOADS = ("throughput", "shared-prefix")
+WORKLOADS = ("throughput", "shared-prefix", "copy")
 
 
 def bench_name(workload: str) -> str:
@@ -79,7 +82,10 @@ def prepared_model(config: dict, loaded=None):
 
 
 def _prompts(tokenizer, config: dict) -> list[list[int]]:
-    from fivefold.eval.text import corpus_ids, corpus_prompts
+    from fivefold.eval.text import copy_prompts, corpus_ids, corpus_prompts
+
+    if config["workload"] == "copy":
+        return copy_prompts(tokenizer, config["num_requests"], seed=config["seed"])
 
     ids = corpus_ids(tokenizer, "heldout")
     own = corpus_prompts(ids, config["num_requests"], config["input_len"], seed=config["seed"])
@@ -117,19 +123,25 @@ def run_offline(config: dict, loaded=None, show_progress: bool = True) -> dict[s
         ppl, acc = language_metrics(llm.engine.runner.model, windows)
         quality = {"heldout_perplexity": ppl, "heldout_next_token_accuracy": acc}
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if config["workload"] == "throughput":
+        decode_tok_s = decode_rate(outputs)
+    else:  # one request at a time: each one's decode span, summed (the prefills between them excluded)
+        decode_tok_s = (num_out - len(outputs)) / sum(o.metrics.finished_time - o.metrics.first_token_time
+                                                      for o in outputs)
     num_prompt = sum(len(p) for p in prompts)
     ttfts = [o.metrics.ttft for o in outputs]
     e2es = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
     return {
         "duration_s": elapsed,
         "output_tok_s": num_out / elapsed,
-        "decode_tok_s": decode_rate(outputs),
+        "decode_tok_s": decode_tok_s,
         "total_tok_s": (num_out + num_prompt) / elapsed,
         "ttft_s": latency_stats(ttfts),
         "e2e_s": latency_stats(e2es),
         "num_prompt_tokens": num_prompt,
         "num_computed_prompt_tokens": num_prompt - sum(o.num_cached_tokens for o in outputs),
         "num_preemptions": stats["num_preemptions"],
+        "speculative": {k: v for k, v in stats.items() if k.startswith("spec_")},
         **quality,
         "samples": {"e2e_s": e2es, "ttft_s": ttfts,
                     "output_token_ids": [o.outputs[0].token_ids for o in outputs]},

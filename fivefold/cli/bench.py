@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command")
     bo = bench_sub.add_parser("offline", help="the engine in-process on a fixed workload")
     common.add_model_args(bo)
-    bo.add_argument("--workload", default="throughput", choices=["throughput", "shared-prefix"])
+    bo.add_argument("--workload", default="throughput", choices=["throughput", "shared-prefix", "copy"])
     bo.add_argument("--num-requests", type=int, default=16)
     bo.add_argument("--input-len", type=int, default=64)
     bo.add_argument("--output-len", type=int, default=32)

@@ -38,3 +38,18 @@ def corpus_prompts(ids: list[int], num: int, length: int, seed: int = 0) -> list
 def text_windows(tokenizer, part: str, num: int, length: int, seed: int = 0) -> list[list[int]]:
     """``num`` windows of ``length`` tokens from the ``calibration`` or ``heldout`` part."""
     return corpus_prompts(corpus_ids(tokenizer, part), num, length, seed)
+
+
+def copy_prompts(tokenizer, num: int, num_chars: int = 700, seed: int = 0) -> list[list[int]]:
+    """The input-copying workload of speculative decoding: a held-out pydoc passage
+    (``num_chars`` characters from a paragraph start), then the same passage begun again, so
+    that continuing the text means copying it, as in a rewrite, a quotation or an edit of a
+    document given in the prompt. Token ids."""
+    text = pydoc_text("heldout")
+    starts = [i + 2 for i in range(len(text) - num_chars) if text.startswith("\n\n", i) and text[i + 2].isalpha()]
+    rng = random.Random(seed)
+    prompts = []
+    for start in rng.sample(starts, num):
+        passage = text[start: start + num_chars].rsplit(" ", 1)[0]
+        prompts.append(tokenizer.encode(f"{passage}\n\n{passage[:60]}", add_special_tokens=False))
+    return prompts

@@ -62,7 +62,8 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
 
     sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
                       output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32,
-                      embedding_requests=48, digits_epochs=1)
+                      embedding_requests=48, digits_epochs=1, copy_requests=1, copy_output_len=8,
+                      draft_distill_steps=1)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
                        sizes=sizes)
@@ -72,7 +73,11 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     assert all(r["ratio"] > 0 and r["accuracy"] for r in measured)
     # Speed levers do not change greedy tokens; quantization reports its perplexity cost.
     engine_rows = [r for r in measured if r["runs"]]
-    assert all(r["accuracy"] == "none: greedy tokens identical" for r in engine_rows if r["lever"] != "3 quantization")
+    assert all(r["accuracy"].startswith("none: greedy tokens identical") for r in engine_rows
+               if r["lever"] != "3 quantization")
+    speculation = [r for r in engine_rows if r["change"].startswith("speculative decoding")]
+    assert len(speculation) == 2 and all("tokens per verification" in r["accuracy"] for r in speculation)
+    assert (tmp_path / "student-1" / "config.json").exists()  # the draft: fivefold distill's student
     batching = [r for r in measured if r["change"].startswith("dynamic batching")]
     assert len(batching) == 1 and float(batching[0]["accuracy"].split("min cosine ")[1].split(";")[0]) > 0.99999
     structure = [r for r in measured if r["lever"] == "1 structure"]
