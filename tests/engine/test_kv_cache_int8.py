@@ -160,7 +160,7 @@ def test_smollm2_int8_kv_teacher_forced_agreement_and_perplexity(smollm2):
     Measured here: 98.4% agreement (1530 positions; 98.2% over 4080 with other windows), perplexity
     within 0.05%; every flip at a float margin (top-1 minus top-2 logprob) under 0.5 nats. Per-row
     asymmetric rows or 16-value groups for the keys measured 98.8-98.9% with a worse perplexity
-    (see the int8-kv branch's report), so the flips are near-ties that 8 bits per value leave, not a bug."""
+    when this was built, so the flips are near-ties that 8 bits per value leave, not a bug."""
     from fivefold.eval.text import text_windows
 
     windows = text_windows(smollm2.tokenizer, "heldout", 6, 256, seed=0)
