@@ -100,7 +100,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=160)
     loaded = load_model(DEFAULT_LLM)
     prompts = copy_prompts(loaded.tokenizer, args.num_prompts)
     weight_bytes = loaded.config.num_parameters() * 4

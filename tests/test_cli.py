@@ -42,3 +42,12 @@ def test_prompt_beyond_context_is_one_line():
     proc = fivefold("generate", "--prompt", "hi", "--max-tokens", "100000")
     assert proc.returncode == 1
     assert "exceeds the maximum context length 8192" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_with_an_int8_kv_cache():
+    proc = fivefold("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24",
+                    "--kv-cache-dtype", "int8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    proc = fivefold("generate", "--prompt", "hi", "--kv-cache-dtype", "fp8")
+    assert proc.returncode != 0 and "--kv-cache-dtype" in proc.stderr

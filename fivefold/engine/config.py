@@ -14,6 +14,7 @@ HOT_PATHS = ("fused", "eager")
 PREFILL_ATTENTION_BACKENDS = ("sdpa", "tiled")
 DECODE_LOOPS = ("cpp", "python")
 SPECULATIVE_METHODS = ("ngram", "draft")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def available_memory_bytes() -> int:
@@ -52,8 +53,10 @@ class EngineConfig:
     weight_layout: "packed" swaps every projection for a oneDNN-packed linear (the
     weights reordered once into the blocked layout the GEMM reads); "dense" keeps
     nn.Linear (the reference, and what the hardware lever is measured against).
-    decode_attention: "kernel" runs single-token attention in the C++ paged kernel
-    (keys read in place from their blocks); "torch" gathers the context and calls SDPA.
+    decode_attention: "kernel" runs single-token attention in the C++ paged decode kernel, and
+    the attention of a chunk over its cached context (chunked prefill, prefix-cache hits) in the
+    C++ paged prefill kernel (keys read in place from their blocks, online softmax); "torch"
+    gathers the context and calls SDPA (the reference).
     hot_path: "fused" runs the decoder's elementwise chains (residual add + RMSNorm,
     SiLU * up, RoPE on q and k) as one C++ kernel each (fivefold/kernels/fused_ops.cpp,
     float32; faster here than torch.compile of the same code, see
@@ -71,6 +74,13 @@ class EngineConfig:
     one target pass (fivefold.engine.speculative). prompt_lookup_min / prompt_lookup_max: the
     n-gram lengths the prompt-lookup proposer matches, longest first. draft_model: a model
     name or path with the target's tokenizer, e.g. the student ``fivefold distill`` writes.
+    kv_cache_dtype: "auto" stores keys and values in the model's dtype; "int8" stores each
+    (token, KV head) row as head_dim int8 values and its float32 scale (symmetric, per row;
+    fivefold.models.kv_quant), head_dim + 4 bytes instead of 4 * head_dim for a float32 model:
+    ~3.8x the tokens in the same kv_cache_memory_bytes at head_dim 64. Keys and values are
+    quantized as they are written and read back by the same kernels (never a float copy of the
+    context); a whole prompt in one step attends to the int8 round trip of its keys and values,
+    as a chunked one does. Needs head_dim % 4 == 0.
     """
 
     block_size: int = 16
@@ -91,6 +101,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -133,6 +144,9 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise FivefoldError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                                 f"and {self.prompt_lookup_max}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise FivefoldError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                f"got '{self.kv_cache_dtype}'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

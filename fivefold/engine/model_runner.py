@@ -16,6 +16,7 @@ from fivefold.engine.sampler import token_logprobs
 from fivefold.engine.sequence import Sequence
 from fivefold.errors import FivefoldError
 from fivefold.kernels import fused_ops, paged_attention_ops
+from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.models.native_decode import NativeDecoder
@@ -31,8 +32,17 @@ class StepResult:
     prompt_logprobs: dict = field(default_factory=dict)
 
 
-def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
+def kv_cache_torch_dtype(model: LlamaForCausalLM, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """The cache tensors' dtype for ``EngineConfig.kv_cache_dtype``: the model's, or int8."""
+    return torch.int8 if kv_cache_dtype == "int8" else model.dtype
+
+
+def kv_bytes_per_token(model: LlamaForCausalLM, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's keys and values take in the pool, every layer: ``head_dim`` elements of
+    the model's dtype per row, or for int8 ``head_dim + 4`` bytes (the values and their scale)."""
     c = model.config
+    if kv_cache_dtype == "int8":
+        return 2 * c.num_layers * c.num_kv_heads * kv_quant.row_bytes(c.head_dim)
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
@@ -55,7 +65,15 @@ def serving_view(model: LlamaForCausalLM, config: EngineConfig) -> LlamaForCausa
 
 
 class ModelRunner:
+    """Owns the served model view and the KV pool; :meth:`execute` runs one scheduled step.
+
+    ``kv_cache_dtype`` (torch.int8 or the model's dtype) and ``kv_bytes_per_token`` describe the
+    pool as allocated: ``num_blocks * block_size`` tokens of ``kv_bytes_per_token`` bytes each.
+    """
+
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
+        if config.kv_cache_dtype == "int8":
+            kv_quant.check_head_dim(model.config.head_dim)  # before any copy or kernel build
         self.model = serving_view(model, config)
         model = self.model
         if config.hot_path == "fused":
@@ -70,15 +88,19 @@ class ModelRunner:
         self.native_decoder = NativeDecoder(model) if use_native else None
         self.block_size = config.block_size
         c = model.config
-        bytes_per_block = kv_bytes_per_token(model) * config.block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(model, config.kv_cache_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(model, config.kv_cache_dtype)
+        bytes_per_block = self.kv_bytes_per_token * config.block_size
         self.num_blocks = config.kv_cache_bytes() // bytes_per_block
         if self.num_blocks < 1:
             raise FivefoldError(
                 f"kv_cache_memory_bytes {config.kv_cache_bytes()} bytes is less than one block ({bytes_per_block} bytes)"
             )
-        # Zero-filled once: padded decode reads hit finite values only (see attention.py).
+        # Zero-filled once: padded decode reads hit finite values only (see attention.py); an int8
+        # row of zeros is values 0 with scale 0.
+        row_size = kv_quant.row_bytes(c.head_dim) if self.kv_cache_dtype == torch.int8 else c.head_dim
         self.kv_caches = [
-            torch.zeros(2, self.num_blocks, c.num_kv_heads, config.block_size, c.head_dim, dtype=model.dtype)
+            torch.zeros(2, self.num_blocks, c.num_kv_heads, config.block_size, row_size, dtype=self.kv_cache_dtype)
             for _ in range(c.num_layers)
         ]
 

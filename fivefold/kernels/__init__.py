@@ -74,15 +74,17 @@ def _load(name: str) -> object | None:
 
 
 def build_dir_name(name: str) -> str:
-    """``<name>-<torch installation>-<platform build key>``: one build per torch installation (two
-    environments sharing a directory would recompile each other's build: ninja sees the include
-    paths change) and per instruction set compiled for."""
+    """``<name>-<torch installation>-<source hash>-<platform build key>``: one build per torch
+    installation (two environments sharing a directory would recompile each other's build: ninja
+    sees the include paths change), per source text (two checkouts with different sources sharing
+    the cache would otherwise rebuild over each other's library) and per instruction set compiled for."""
     import torch
 
     from fivefold.platform import current_platform
 
     torch_key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
-    return f"{name}-{torch_key}-{current_platform().build_key}"
+    source_key = hashlib.sha256((_SOURCES / f"{name}.cpp").read_bytes()).hexdigest()[:8]
+    return f"{name}-{torch_key}-{source_key}-{current_platform().build_key}"
 
 
 def paged_attention_ops():

@@ -11,7 +11,7 @@
 //   fused_add_rms_norm_(x, residual)          residual += x; x = norm(residual)
 //   qkv = linear(x, qkv_proj)                 [B, (H + 2 KVH) D]
 //   rotary_qk_(q, k)                          views of qkv, in place
-//   k, v -> KV cache at their slots           plain copies
+//   k, v -> KV cache at their slots           plain copies (float32), quantized rows (int8)
 //   attn = paged_decode_attention(q, cache)   [B, H, D]
 //   x = linear(attn, o_proj); fused_add_rms_norm_(x, residual)
 //   x = linear(silu_and_mul(linear(x, gate_up_proj)), down_proj)
@@ -25,6 +25,8 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -80,20 +82,46 @@ void add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch
   call(ops().add_norm, {x, residual, weight, eps});
 }
 
-// k, v: [B, KVH, D] (views); cache: [2, num_blocks, KVH, block_size, D] contiguous.
+// One row of an int8 cache (fivefold/models/kv_quant.py, the reference): D values, then the float32
+// scale. Symmetric per row: scale = max(amax / 127, floor), q = clamp(round(x / scale), -127, 127),
+// with multiplications by reciprocals as kv_quant.quantize_rows computes them, so both write the same bytes.
+constexpr float kScaleFloor = 1e-12f;
+
+inline void quantize_row(const float* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = std::max(amax * (1.0f / 127.0f), kScaleFloor);
+  const float inv = 1.0f / scale;
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
+// k, v: [B, KVH, D] float32 (views); cache: [2, num_blocks, KVH, block_size, D] of float32, or
+// int8 [..., D + 4] (quantized here), contiguous.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cache,
               const int64_t* blocks, const int64_t* offsets) {
   const int64_t B = k.size(0), KVH = k.size(1), D = k.size(2);
-  const int64_t num_blocks = cache.size(1), block_size = cache.size(3);
-  float* kc = cache.data_ptr<float>();
-  float* vc = kc + num_blocks * KVH * block_size * D;
+  const int64_t num_blocks = cache.size(1), block_size = cache.size(3), row_size = cache.size(4);
+  const bool is_int8 = cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(cache.is_contiguous() && (is_int8 ? row_size == D + 4 : (cache.scalar_type() == torch::kFloat32 &&
+              row_size == D)), "decode_layers: the KV cache must be float32 [..., D] or int8 [..., D + 4], contiguous");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  const int64_t half = num_blocks * KVH * block_size * row_size;  // elements of the K (or V) half
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t dst = ((blocks[b] * KVH + h) * block_size + offsets[b]) * D;
-      std::memcpy(kc + dst, kp + b * k.stride(0) + h * k.stride(1), D * sizeof(float));
-      std::memcpy(vc + dst, vp + b * v.stride(0) + h * v.stride(1), D * sizeof(float));
+      const int64_t dst = ((blocks[b] * KVH + h) * block_size + offsets[b]) * row_size;
+      const float* krow = kp + b * k.stride(0) + h * k.stride(1);
+      const float* vrow = vp + b * v.stride(0) + h * v.stride(1);
+      if (is_int8) {
+        int8_t* kc = cache.data_ptr<int8_t>();
+        quantize_row(krow, kc + dst, D);
+        quantize_row(vrow, kc + half + dst, D);
+      } else {
+        float* kc = cache.data_ptr<float>();
+        std::memcpy(kc + dst, krow, D * sizeof(float));
+        std::memcpy(kc + half + dst, vrow, D * sizeof(float));
+      }
     }
   }
 }

@@ -10,6 +10,20 @@ of a prompt attends to the chunks computed in earlier steps.
 A layer's cache is ``[2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]``:
 head-major inside a block, so one head's rows of a block are contiguous (what the
 decode kernel streams) and a gathered context is already in SDPA's [KVH, L, D].
+With ``kv_cache_dtype="int8"`` it is int8 ``[..., head_dim + 4]``, each row its values and
+its float32 scale (fivefold.models.kv_quant); keys and values are quantized when written.
+
+Three kinds of sequence in a step, and what reads their context:
+
+- decode (one new token over a cached context): the C++ paged decode kernel
+  (``use_decode_kernel``), else gather + SDPA;
+- chunk (several new tokens after a cached context: chunked prefill, a prefix-cache hit,
+  speculative verification): the C++ paged prefill kernel, which reads the blocks in place
+  (``use_decode_kernel``, unless ``use_tiled_prefill``), else gather + SDPA (or tiled attention);
+- whole prompt (every token new): attends to this step's keys and values directly, SDPA (or
+  tiled attention). With an int8 cache it attends to their quantize-dequantize round trip, the
+  keys and values as the cache holds them: a prompt then sees the same keys whether it ran in one
+  step or in chunks, and a perplexity measured on whole prompts includes the int8 cache's cost.
 """
 
 from __future__ import annotations
@@ -19,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fivefold.models.tiled_attention import tiled_attention
 from fivefold.kernels import paged_attention_ops
+from fivefold.models import kv_quant
+from fivefold.models.tiled_attention import tiled_attention
 
 
 
@@ -36,6 +51,7 @@ class AttentionMetadata:
     use_decode_kernel: bool = True  # False: gather + SDPA even where the C++ kernel is available
     use_tiled_prefill: bool = False  # True: prompts and chunks through fivefold.models.tiled_attention
     _decode_plan: "_DecodePlan | None" = field(default=None, repr=False)
+    _chunk_plan: "_ChunkPlan | None" = field(default=None, repr=False)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -75,6 +91,36 @@ class AttentionMetadata:
             )
         return self._decode_plan
 
+    def chunk_plan(self) -> "_ChunkPlan | None":
+        """Index tensors for the paged prefill kernel (sequences with 1 < query_len < seq_len),
+        built once per step, shared by all layers; None when the step has no such sequence."""
+        if self._chunk_plan is None:
+            rows = [i for i in range(self.num_seqs) if 1 < self.query_len(i) < self.seq_lens[i]]
+            if not rows:
+                return None
+            lens = [self.query_len(i) for i in rows]
+            starts = [0]
+            for n in lens:
+                starts.append(starts[-1] + n)
+            num_blocks = -(-max(self.seq_lens[i] for i in rows) // self.block_size)
+            self._chunk_plan = _ChunkPlan(
+                rows=set(rows),
+                token_rows=torch.cat([torch.arange(self.query_start_loc[i], self.query_start_loc[i + 1]) for i in rows]),
+                query_start_loc=torch.tensor(starts, dtype=torch.long),
+                tables=self.block_tables[rows, :num_blocks],
+                seq_lens=torch.tensor([self.seq_lens[i] for i in rows], dtype=torch.long),
+            )
+        return self._chunk_plan
+
+
+@dataclass
+class _ChunkPlan:
+    rows: set[int]  # sequence indices served by the paged prefill kernel
+    token_rows: torch.Tensor  # [N] flat token indices of their queries, sequence after sequence
+    query_start_loc: torch.Tensor  # [len(rows) + 1] int64 offsets into token_rows
+    tables: torch.Tensor  # [len(rows), n] block tables cut to the longest context
+    seq_lens: torch.Tensor  # [len(rows)] int64
+
 
 @dataclass
 class _DecodePlan:
@@ -102,36 +148,47 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, is_causal: bo
     return out.squeeze(0)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata") -> None:
-    """Store this step's keys and values ([T, KVH, D]) at their slots."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata"):
+    """Store this step's keys and values ([T, KVH, D]) at their slots; return them as the cache
+    holds them: ``k, v`` themselves, or with an int8 cache their int8 rows [T, KVH, D + 4]."""
+    if kv_quant.is_int8_cache(kv_cache):
+        k, v = kv_quant.quantize_rows(k), kv_quant.quantize_rows(v)
     blocks, offsets = meta.slot_blocks_and_offsets()
     kv_cache[0, blocks, :, offsets] = k
     kv_cache[1, blocks, :, offsets] = v
+    return k, v
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, H, D]
     k: torch.Tensor,  # [num_tokens, KVH, D]
     v: torch.Tensor,  # [num_tokens, KVH, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, KVH, block_size, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, KVH, block_size, D], or int8 [..., D + 4]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's whole context."""
-    write_kv_cache(k, v, kv_cache, meta)
+    """Causal attention of every new token over its sequence's whole context (see the module
+    docstring for which path serves which sequence)."""
+    is_int8 = kv_quant.is_int8_cache(kv_cache)
+    k_stored, v_stored = write_kv_cache(k, v, kv_cache, meta)
     out = torch.empty_like(q)
     plan = meta.decode_plan()
+    ops = paged_attention_ops() if meta.use_decode_kernel and kv_cache.device.type == "cpu" else None
+    chunks = meta.chunk_plan() if ops is not None and not meta.use_tiled_prefill else None
     for i in range(meta.num_seqs):
-        if plan is not None and i in plan.rows:
+        if (plan is not None and i in plan.rows) or (chunks is not None and i in chunks.rows):
             continue
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         query_len, seq_len = end - start, meta.seq_lens[i]
         if query_len == seq_len:
-            # A whole prompt in one step: its keys are the ones just computed.
-            ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [KVH, L, D]
+            # A whole prompt in one step: its keys are the ones just computed (as the cache holds them).
+            ki, vi = k_stored[start:end], v_stored[start:end]
+            if is_int8:
+                ki, vi = kv_quant.dequantize(ki, q.dtype), kv_quant.dequantize(vi, q.dtype)
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [KVH, L, D]
             mask, is_causal = None, query_len > 1
         else:
-            ki, vi = _gather_context(kv_cache, meta.block_tables[i], seq_len)  # [KVH, L, D]
+            ki, vi = _gather_context(kv_cache, meta.block_tables[i], seq_len, q.dtype)  # [KVH, L, D]
             # Query j sits at position seq_len - query_len + j and sees keys up to it.
             q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
             mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
@@ -141,16 +198,21 @@ def paged_attention(
         else:
             o = _sdpa(q[start:end].transpose(0, 1), ki, vi, mask, is_causal, scale)
         out[start:end] = o.transpose(0, 1)
+    if chunks is not None:
+        out[chunks.token_rows] = ops.paged_prefill_attention(q[chunks.token_rows], kv_cache, chunks.tables,
+                                                             chunks.query_start_loc, chunks.seq_lens, scale)
     if plan is not None:
         _batched_decode(q, kv_cache, plan, scale, out, meta.use_decode_kernel)
     return out
 
 
-def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """A sequence's keys and values, [KVH, L, D] each."""
+def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype):
+    """A sequence's keys and values, [KVH, L, D] each, of ``dtype`` (an int8 cache dequantized)."""
     num_blocks = -(-seq_len // kv_cache.shape[3])
-    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, KVH, block_size, D]
-    blocks = blocks.transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # [2, KVH, L, D]
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, KVH, block_size, D (+ 4)]
+    blocks = blocks.transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # [2, KVH, L, D (+ 4)]
+    if kv_quant.is_int8_cache(kv_cache):
+        blocks = kv_quant.dequantize(blocks, dtype)  # [2, KVH, L, D]
     return blocks[0], blocks[1]
 
 
@@ -162,13 +224,16 @@ def _batched_decode(q, kv_cache, plan: _DecodePlan, scale: float, out, use_kerne
     header). Without it: one SDPA call, the context gathered and padded to the longest.
 
     Padded key slots read whatever block the padding points at (the cache is
-    zero-initialised, so the values are finite) and are masked out.
+    zero-initialised, so the values are finite: an int8 row of zeros has scale 0 and
+    dequantizes to 0) and are masked out.
     """
     ops = paged_attention_ops() if use_kernel and kv_cache.device.type == "cpu" else None
     if ops is not None:
         out[plan.token_rows] = ops.paged_decode_attention(q[plan.token_rows], kv_cache, plan.tables, plan.seq_lens, scale)
         return
-    kv = kv_cache[:, plan.tables].transpose(2, 3).flatten(3, 4)[..., : plan.max_len, :]  # [2, B, KVH, L, D]
+    kv = kv_cache[:, plan.tables].transpose(2, 3).flatten(3, 4)[..., : plan.max_len, :]  # [2, B, KVH, L, D (+ 4)]
+    if kv_quant.is_int8_cache(kv_cache):
+        kv = kv_quant.dequantize(kv, q.dtype)  # [2, B, KVH, L, D]
     group = q.shape[1] // kv.shape[2]
     keys = kv[0].repeat_interleave(group, dim=1)  # [B, H, L, D]
     values = kv[1].repeat_interleave(group, dim=1)

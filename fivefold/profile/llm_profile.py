@@ -40,8 +40,8 @@ def profile_llm(loaded, mode: str = "decode", batch: int = 1, seq: int = 128, nu
     engine_options.setdefault("enable_prefix_caching", False)
     engine_options.setdefault("max_num_seqs", max(batch, 1))
     engine_options.setdefault("max_num_batched_tokens", max(2048, batch * seq))
-    engine_options.setdefault("kv_cache_memory_bytes",
-                              float(max(256 << 20, 2 * batch * (seq + 64) * kv_bytes_per_token(loaded.model))))
+    token_bytes = kv_bytes_per_token(loaded.model, engine_options.get("kv_cache_dtype", "auto"))
+    engine_options.setdefault("kv_cache_memory_bytes", float(max(256 << 20, 2 * batch * (seq + 64) * token_bytes)))
     llm = LLM(loaded, **engine_options)
     engine = llm.engine
     ids = corpus_ids(llm.tokenizer)
