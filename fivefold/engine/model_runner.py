@@ -142,7 +142,7 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         """Run one step: logits of the sequences that sample, and the prompt logprobs computed."""
         input_ids, positions, meta = self.prepare(scheduled)
-        if self.native_decoder is not None and NativeDecoder.is_decode_only(meta):
+        if self.native_decoder is not None and self.native_decoder.can_run(meta):
             hidden = self.native_decoder(input_ids, positions, meta, self.kv_caches)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)

@@ -55,6 +55,7 @@ struct Ops {
   const c10::OperatorHandle int8_stream = op("fivefold::int8_weight_linear");  // the same kernel, named for the profiler
   const c10::OperatorHandle packed = op("mkldnn::_linear_pointwise");
   const c10::OperatorHandle attention = op("fivefold::paged_decode_attention");
+  const c10::OperatorHandle chunk_attention = op("fivefold::paged_prefill_attention");
   const c10::OperatorHandle add_norm = op("fivefold::fused_add_rms_norm_");
   const c10::OperatorHandle silu_mul = op("fivefold::silu_and_mul");
   const c10::OperatorHandle rotary = op("fivefold::rotary_qk_");
@@ -128,13 +129,18 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tenso
 
 }  // namespace
 
-// hidden: [B, hidden] float32 embeddings of the step's tokens; cos, sin: [B, D/2];
+// hidden: [T, hidden] float32 embeddings of the step's tokens; cos, sin: [T, D/2];
 // layers: kTensorsPerLayer tensors per layer (see above); kv_caches: one per layer;
-// block_tables: [B, n] int64; seq_lens: [B] int64 (context after this token); slot_blocks,
-// slot_offsets: [B] int64, where this token's key and value go. Returns the final-norm hidden [B, hidden].
+// block_tables: [S, n] int64; seq_lens: [S] int64 (context after this step's tokens); slot_blocks,
+// slot_offsets: [T] int64, where each token's key and value go. query_start_loc: empty when every
+// sequence adds one token (T == S: paged_decode_attention), else [S + 1] int64 offsets of each
+// sequence's tokens (a few per sequence, e.g. speculative proposals: paged_prefill_attention).
+// key_rotation: empty, or an orthonormal [D, D] applied to queries and keys after RoPE (an int8
+// cache stores rotated keys: fivefold/models/kv_quant.py). Returns the final-norm hidden [T, hidden].
 torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> layers,
                             std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor block_tables,
                             torch::Tensor seq_lens, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                            torch::Tensor query_start_loc, torch::Tensor key_rotation,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                             int64_t stream_max_rows) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
@@ -158,8 +164,14 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
     call(ops().rotary, {q, k, cos, sin});
+    if (key_rotation.numel() > 0) {
+      q = at::matmul(q, key_rotation);
+      k = at::matmul(k, key_rotation);
+    }
     write_kv(k, v, kv_caches[i], blocks, offsets);
-    torch::Tensor attn = call(ops().attention, {q, kv_caches[i], block_tables, seq_lens, scale})[0].toTensor();
+    torch::Tensor attn = query_start_loc.numel() > 0
+        ? call(ops().chunk_attention, {q, kv_caches[i], block_tables, query_start_loc, seq_lens, scale})[0].toTensor()
+        : call(ops().attention, {q, kv_caches[i], block_tables, seq_lens, scale})[0].toTensor();
     x = linear(attn.view({B, q_size}), layers, lin + kTensorsPerLinear, stream_max_rows);
     add_norm(x, residual, layers[base + 1], eps);
     torch::Tensor gate_up = linear(x, layers, lin + 2 * kTensorsPerLinear, stream_max_rows);
@@ -172,7 +184,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
 
 TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] layers, Tensor[] kv_caches, Tensor final_norm, "
-        "Tensor block_tables, Tensor seq_lens, Tensor slot_blocks, Tensor slot_offsets, int num_heads, "
+        "Tensor block_tables, Tensor seq_lens, Tensor slot_blocks, Tensor slot_offsets, Tensor query_start_loc, "
+        "Tensor key_rotation, int num_heads, "
         "int num_kv_heads, int head_dim, float eps, float scale, int stream_max_rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) { m.impl("decode_layers", &decode_layers); }

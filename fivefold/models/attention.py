@@ -170,6 +170,9 @@ def paged_attention(
     """Causal attention of every new token over its sequence's whole context (see the module
     docstring for which path serves which sequence)."""
     is_int8 = kv_quant.is_int8_cache(kv_cache)
+    if is_int8:  # an int8 cache holds rotated keys; rotated queries meet them (kv_quant.key_rotation)
+        rotation = kv_quant.key_rotation(q.shape[-1]).to(q.dtype)
+        q, k = q @ rotation, k @ rotation
     k_stored, v_stored = write_kv_cache(k, v, kv_cache, meta)
     out = torch.empty_like(q)
     plan = meta.decode_plan()

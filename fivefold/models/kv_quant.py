@@ -20,6 +20,8 @@ layout; :func:`quantize_rows` is the reference they are tested against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fivefold.errors import FivefoldError
@@ -66,6 +68,28 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     scale = (amax * (1.0 / QMAX)).clamp_(min=SCALE_FLOOR)  # [..., 1]
     q = torch.round(x * scale.reciprocal()).clamp_(-QMAX, QMAX).to(torch.int8)  # [..., D]
     return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)  # [..., D + 4]
+
+
+@functools.lru_cache(maxsize=8)
+def key_rotation(head_dim: int) -> torch.Tensor:
+    """The orthonormal [D, D] matrix R by which an int8 cache's keys, and the queries that meet
+    them, are rotated after RoPE (q R . k R = q . k, so attention is unchanged in exact arithmetic).
+
+    Keys have a few channels far larger than the rest; with one scale per row those channels set
+    the step and the others keep few levels. R spreads every channel over all of them (QuaRot's
+    and SpinQuant's rotation, applied to the cache only), so the row's step fits its values
+    evenly: on SmolLM2's held-out text, teacher-forced top-1 agreement with the float cache goes
+    from 98.3% to 99.1% (tests/engine/test_kv_cache_int8.py). A normalised Walsh-Hadamard matrix
+    when D is a power of two, else a fixed orthonormal matrix (QR of a seeded Gaussian). Values
+    are not rotated: their error was already small (99.5% with only values in int8).
+    """
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1)
+        while r.shape[0] < head_dim:
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        return r / head_dim ** 0.5
+    gaussian = torch.randn(head_dim, head_dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return torch.linalg.qr(gaussian)[0].float()
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

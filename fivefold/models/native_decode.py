@@ -10,7 +10,10 @@ Python: one call each per step.
 It serves float32 Llama-family models whose projections are ``nn.Linear``, ``PackedLinear`` or
 W8A16 ``Int8Linear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
 the C++ loop: such models keep the Python loop, :meth:`NativeDecoder.unsupported_reason` says
-why). Steps with any prefill token also keep the Python loop.
+why). A step runs here when each of its sequences adds at most ``MAX_QUERY_LEN`` tokens to a
+context already in the cache: decode steps (the paged decode kernel), and steps verifying
+speculative proposals or ending a chunked prompt (the paged prefill kernel, causal within each
+sequence's tokens). Prompts keep the Python loop, whose SDPA prefill is faster for them.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import torch
 from torch import nn
 
 from fivefold.kernels import decode_loop_ops
+from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.layers import PackedLinear, stream_max_rows
 from fivefold.models.llama import LlamaForCausalLM
 
 _NONE = torch.empty(0)  # "no tensor" in the C++ op's tensor lists
+# Longest query of a sequence the C++ loop takes (speculative verification: 1 + k tokens); longer
+# chunks are prompts, which the Python loop's SDPA prefill serves faster.
+MAX_QUERY_LEN = 17
 
 
 def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
@@ -88,17 +95,26 @@ class NativeDecoder:
         return None
 
     @staticmethod
-    def is_decode_only(meta: AttentionMetadata) -> bool:
-        """Every sequence of the step adds one token to a context it already has in the cache."""
-        plan = meta.decode_plan()
-        return plan is not None and len(plan.rows) == meta.num_seqs
+    def can_run(meta: AttentionMetadata) -> bool:
+        """Every sequence of the step adds one token, or a few (at most MAX_QUERY_LEN, e.g. a
+        row with speculative proposals), to a context it already has in the cache."""
+        return all(1 <= meta.query_len(i) <= MAX_QUERY_LEN and meta.query_len(i) < meta.seq_lens[i]
+                   for i in range(meta.num_seqs))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Final-norm hidden states [B, hidden] of a decode-only step (see :meth:`is_decode_only`)."""
-        hidden = self.model.embed_tokens(input_ids)  # [B, hidden]
-        cos, sin = self.model.rotary.lookup(positions, hidden.dtype)  # [B, 1, D/2]
-        plan = meta.decode_plan()
+        """Final-norm hidden states [T, hidden] of a step :meth:`can_run` accepts."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.model.rotary.lookup(positions, hidden.dtype)  # [T, 1, D/2]
         blocks, offsets = meta.slot_blocks_and_offsets()
+        plan = meta.decode_plan()
+        if plan is not None and len(plan.rows) == meta.num_seqs:  # one token each: the decode kernel
+            tables, seq_lens, query_start = plan.tables, plan.seq_lens, _NONE
+        else:  # a few tokens per sequence: the paged prefill kernel, causal within each sequence's tokens
+            num_blocks = -(-max(meta.seq_lens) // meta.block_size)
+            tables = meta.block_tables[:, :num_blocks]
+            seq_lens = torch.tensor(meta.seq_lens, dtype=torch.long)
+            query_start = torch.tensor(meta.query_start_loc, dtype=torch.long)
+        rotation = kv_quant.key_rotation(self.model.config.head_dim) if kv_quant.is_int8_cache(kv_caches[0]) else _NONE
         return self.ops.decode_layers(hidden, cos, sin, self.layer_tensors, kv_caches, self.model.norm.weight,
-                                      plan.tables, plan.seq_lens, blocks, offsets, *self.shape_args)
+                                      tables, seq_lens, blocks, offsets, query_start, rotation, *self.shape_args)

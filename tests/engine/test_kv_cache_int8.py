@@ -134,7 +134,7 @@ def test_native_decode_writes_the_int8_rows_the_python_loop_writes(tiny):
         for seq, _ in step:
             assert blocks.allocate_slots(seq, 1)
         input_ids, positions, meta = runner.prepare(step)
-        assert NativeDecoder.is_decode_only(meta)
+        assert NativeDecoder.can_run(meta)
         before = [c.clone() for c in runner.kv_caches]
         with torch.inference_mode():
             python = runner.model.compute_logits(runner.model(input_ids, positions, meta, runner.kv_caches))
@@ -157,10 +157,9 @@ def test_smollm2_int8_kv_teacher_forced_agreement_and_perplexity(smollm2):
     top-1 agreement between float32 and int8 KV, the float run's margin wherever they disagree, and
     the held-out perplexity of each.
 
-    Measured here: 98.4% agreement (1530 positions; 98.2% over 4080 with other windows), perplexity
-    within 0.05%; every flip at a float margin (top-1 minus top-2 logprob) under 0.5 nats. Per-row
-    asymmetric rows or 16-value groups for the keys measured 98.8-98.9% with a worse perplexity
-    when this was built, so the flips are near-ties that 8 bits per value leave, not a bug."""
+    Measured here with the keys rotated (kv_quant.key_rotation): 99.15% agreement over these 1530
+    positions (99.14% over 4080 other ones), perplexity +0.02%; every flip at a float margin (top-1
+    minus top-2 logprob) under 0.5 nats. Without the rotation: 98.4% (98.3%)."""
     from fivefold.eval.text import text_windows
 
     windows = text_windows(smollm2.tokenizer, "heldout", 6, 256, seed=0)
@@ -183,6 +182,6 @@ def test_smollm2_int8_kv_teacher_forced_agreement_and_perplexity(smollm2):
           f"largest float margin at a flip {worst_margin:.3f} nats, perplexity {ppl_f:.4f} -> {ppl_q:.4f} "
           f"({100 * delta:+.3f}%)")
     assert not torch.equal(lp_f, lp_q), "the int8 cache must change the numbers"
-    assert agreement >= 0.975
+    assert agreement >= 0.99
     assert worst_margin < 1.0, "a confident prediction flipped"
     assert abs(delta) < 0.005

@@ -152,7 +152,9 @@ def _mixed_batch(is_int8: bool):
         q_all, k_all, v_all = torch.randn(L, H, D), torch.randn(L, KVH, D), torch.randn(L, KVH, D)
         blocks = [free.pop() for _ in range(-(-L // BS))]
         for p in range(cached):
-            rk, rv = (kv_quant.quantize_rows(k_all[p]), kv_quant.quantize_rows(v_all[p])) if is_int8 else (k_all[p], v_all[p])
+            # An int8 cache holds rotated keys (kv_quant.key_rotation), as paged_attention writes them.
+            rk, rv = ((kv_quant.quantize_rows(k_all[p] @ kv_quant.key_rotation(D)), kv_quant.quantize_rows(v_all[p]))
+                      if is_int8 else (k_all[p], v_all[p]))
             cache[0, blocks[p // BS], :, p % BS] = rk
             cache[1, blocks[p // BS], :, p % BS] = rv
         qs.append(q_all[cached:]); ks.append(k_all[cached:]); vs.append(v_all[cached:])
@@ -181,8 +183,10 @@ def test_paged_attention_kernel_and_torch_paths_agree_with_the_reference(is_int8
         outs[use_kernel] = paged_attention(q, k, v, cache, meta, D ** -0.5)
         qsl = meta_args["query_start_loc"]
         for i, (q_all, k_all, v_all, new) in enumerate(full):
-            if is_int8:
-                k_all, v_all = kv_quant.dequantize(kv_quant.quantize_rows(k_all)), kv_quant.dequantize(kv_quant.quantize_rows(v_all))
+            if is_int8:  # rotated queries and keys (the scores are the same in exact arithmetic), int8 round trips
+                rotation = kv_quant.key_rotation(D)
+                q_all, k_all = q_all @ rotation, kv_quant.dequantize(kv_quant.quantize_rows(k_all @ rotation))
+                v_all = kv_quant.dequantize(kv_quant.quantize_rows(v_all))
             expected = _plain_attention(q_all[-new:], k_all, v_all)
             diff = (outs[use_kernel][qsl[i]:qsl[i + 1]] - expected).abs().max().item()
             assert diff <= 1e-5, f"kernel={use_kernel} sequence {i}: {diff}"
@@ -194,5 +198,21 @@ def test_int8_write_stores_quantized_rows():
     meta = AttentionMetadata(**meta_args)
     paged_attention(q, k, v, cache, meta, D ** -0.5)
     blocks, offsets = meta.slot_blocks_and_offsets()
-    assert torch.equal(cache[0, blocks, :, offsets], kv_quant.quantize_rows(k))
+    assert torch.equal(cache[0, blocks, :, offsets], kv_quant.quantize_rows(k @ kv_quant.key_rotation(D)))
     assert torch.equal(cache[1, blocks, :, offsets], kv_quant.quantize_rows(v))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 24])
+def test_key_rotation_is_orthonormal_and_spreads_an_outlier_channel(head_dim):
+    """R R^T = I (scores unchanged), and a key whose one large channel would leave the others few
+    int8 levels quantizes with a much smaller score error once rotated."""
+    rotation = kv_quant.key_rotation(head_dim)
+    assert torch.allclose(rotation @ rotation.T, torch.eye(head_dim), atol=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(256, 1, head_dim, generator=gen)
+    keys[..., 3] *= 40.0  # an outlier channel, as Llama keys have after RoPE
+    queries = torch.randn(256, 1, head_dim, generator=gen)
+    exact = (queries * keys).sum(-1)
+    plain = (queries * kv_quant.dequantize(kv_quant.quantize_rows(keys))).sum(-1)
+    rotated = ((queries @ rotation) * kv_quant.dequantize(kv_quant.quantize_rows(keys @ rotation))).sum(-1)
+    assert (rotated - exact).abs().mean() < 0.5 * (plain - exact).abs().mean()

@@ -19,7 +19,7 @@ from tests.conftest import TINY_VOCAB, save_random_hf_model
 
 def _decode_logits(loaded, runner, step, native: bool):
     input_ids, positions, meta = runner.prepare(step)
-    assert NativeDecoder.is_decode_only(meta)
+    assert NativeDecoder.can_run(meta)
     with torch.inference_mode():
         if native:
             hidden = runner.native_decoder(input_ids, positions, meta, runner.kv_caches)
