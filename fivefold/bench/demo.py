@@ -45,6 +45,7 @@ class DemoSizes:
     copy_requests: int = 2  # passages of the speculation rows' copy workload, one after another
     copy_output_len: int = 96
     draft_distill_steps: int = 40  # KD steps of the every-other-layer student the draft row uses
+    long_context: int = 2048  # prompt tokens of the int8 KV cache's decode row
 
 
 QUICK = DemoSizes(hardware_requests=8, batching_requests=16, prefix_requests=8, prefix_len=384, input_len=64,
@@ -230,6 +231,38 @@ def _speculation_rows(runner: "_Runner", model: str, sizes: DemoSizes, out_dir: 
     return rows
 
 
+def _kv_cache_int8_rows(runner: "_Runner", model: str, sizes: DemoSizes, console) -> list[LeverRow]:
+    """The int8 KV cache against the float one: tokens that fit the same pool (with the held-out
+    perplexity cost, teacher-forced through the paged cache), and decode at a long context."""
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.model_runner import ModelRunner
+    from fivefold.eval.language import engine_teacher_forced, entries_perplexity, top1_agreement
+    from fivefold.eval.text import text_windows
+
+    console.print("  running: int8 KV cache, pool capacity and teacher-forced perplexity ...")
+    loaded = runner.loaded
+    capacity = {}
+    for dtype in ("auto", "int8"):
+        pool = ModelRunner(loaded.model, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=int(KV_CACHE_BYTES)))
+        capacity[dtype] = pool.num_blocks * pool.block_size
+        del pool
+    window = min(256, loaded.config.max_model_len - 1)  # a prompt must leave room for one new token
+    windows = text_windows(loaded.tokenizer, "heldout", max(2, sizes.eval_windows), window, seed=1)
+    ref, ours = (engine_teacher_forced(loaded, windows, kv_cache_dtype=d) for d in ("auto", "int8"))
+    ppl_f, ppl_q = entries_perplexity(ref), entries_perplexity(ours)
+    quality = (f"held-out ppl {ppl_f:.2f} -> {ppl_q:.2f} ({ppl_q / ppl_f - 1:+.2%}); top-1 agreement "
+               f"{top1_agreement(ref, ours):.1%}")
+    rows = [LeverRow("5 caching", f"int8 KV cache (per-row scales, rotated keys): tokens in "
+                     f"{int(KV_CACHE_BYTES) >> 20} MiB", "KV tokens", capacity["auto"], capacity["int8"], True, quality)]
+    plain = make_config(model, workload="throughput", num_requests=1, input_len=sizes.long_context,
+                        output_len=sizes.output_len, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        max_num_batched_tokens=max(2048, sizes.long_context), enable_prefix_caching=False)
+    rows.append(runner.row("5 caching", f"int8 KV cache: decode at a {sizes.long_context}-token context (batch 1)",
+                           "decode tok/s", ("decode_tok_s",), plain, _with_engine(plain, kv_cache_dtype="int8"), True,
+                           "int8 KV cache"))
+    return rows
+
+
 def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
     """``fuse`` (BN folding, oneDNN post-ops, channels_last) on the reference CNNs at batch 1.
 
@@ -321,6 +354,7 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
                            kv_cache_memory_bytes=KV_CACHE_BYTES)
     rows.append(_dynamic_batching_row(sizes.embedding_requests, console))
     rows += _speculation_rows(runner, model, sizes, out_dir, console)
+    rows += _kv_cache_int8_rows(runner, model, sizes, console)
     cached = _with_engine(no_cache, enable_prefix_caching=True)
     rows.append(runner.row("5 caching", f"prefix cache (radix tree), {sizes.prefix_len}-token shared prefix: off -> on",
                            "mean TTFT (ms)", ("ttft_s", "mean"), no_cache, cached, False, "prefix cache"))

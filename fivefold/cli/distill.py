@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     ds.add_argument("--schedule", default="cosine", choices=["constant", "linear", "cosine"])
     ds.add_argument("--num-eval", type=int, default=8)
     ds.add_argument("--window", type=int, default=256)
+    ds.add_argument("--lr", type=float, default=None,
+                    help="learning rate (default: the digits recipe's 3e-3; 5e-4 for an LLM student)")
 
 
 def run(args) -> int:
@@ -28,5 +30,5 @@ def run(args) -> int:
     if args.steps < 0 or args.num_eval < 1 or args.window < 2:
         raise FivefoldError("--steps must be >= 0, --num-eval >= 1 and --window >= 2")
     run_distill(DistillJob(args.teacher, args.out, args.steps, args.alpha, args.t_start, args.t_end, args.schedule,
-                           args.num_eval, args.window), Console(width=140))
+                           args.num_eval, args.window, args.lr), Console(width=140))
     return 0

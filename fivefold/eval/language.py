@@ -96,3 +96,30 @@ def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float
     prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), batch, 64, seed=0)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     return max(decode_rate(llm.generate(prompts, params)) for _ in range(repeats))
+
+
+def engine_teacher_forced(loaded, windows: list[list[int]], chunk: int = 64, num_top: int = 1,
+                          **engine_options) -> list[dict]:
+    """Teacher-forced next-token entries ({"token_id", "logprob", "top": [(id, logprob)]}) of every
+    position of every window after the first, computed by the serving engine through its paged KV
+    cache: prompt logprobs, prefix caching off, ``chunk``-token chunks, so every chunk after the
+    first reads its context from the cache as decoding does (what a KV cache option such as
+    ``kv_cache_dtype="int8"`` changes, and a one-prefill perplexity would not see). ``num_top``:
+    the most likely tokens each entry lists."""
+    from fivefold.llm import LLM
+    from fivefold.sampling_params import SamplingParams
+
+    options = {"kv_cache_memory_bytes": float(64 << 20), **engine_options}
+    llm = LLM(loaded, enable_prefix_caching=False, max_num_batched_tokens=chunk, **options)
+    outs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=num_top))
+    return [e for out in outs for e in out.prompt_logprobs[1:]]
+
+
+def entries_perplexity(entries: list[dict]) -> float:
+    """exp(mean negative log-likelihood) of teacher-forced entries (:func:`engine_teacher_forced`)."""
+    return math.exp(-sum(e["logprob"] for e in entries) / len(entries))
+
+
+def top1_agreement(a: list[dict], b: list[dict]) -> float:
+    """Share of positions whose most likely token is the same in two runs' entries."""
+    return sum(x["top"][0][0] == y["top"][0][0] for x, y in zip(a, b)) / len(a)

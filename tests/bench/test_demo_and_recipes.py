@@ -63,7 +63,7 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     sizes = DemoSizes(hardware_requests=3, batching_requests=4, prefix_requests=3, prefix_len=64, input_len=8,
                       output_len=6, profile_seq=24, eval_windows=1, cnn_image_size=32,
                       embedding_requests=48, digits_epochs=1, copy_requests=1, copy_output_len=8,
-                      draft_distill_steps=1)
+                      draft_distill_steps=1, long_context=96)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
                        sizes=sizes)
@@ -73,15 +73,18 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     assert all(r["ratio"] > 0 and r["accuracy"] for r in measured)
     # Speed levers do not change greedy tokens; quantization reports its perplexity cost.
     engine_rows = [r for r in measured if r["runs"]]
+    kv_int8 = [r for r in measured if r["change"].startswith("int8 KV cache")]
+    assert len(kv_int8) == 2 and kv_int8[0]["ratio"] > 1.8  # tokens that fit the same pool
+    assert kv_int8[0]["accuracy"].startswith("held-out ppl ") and "top-1 agreement" in kv_int8[0]["accuracy"]
     assert all(r["accuracy"].startswith("none: greedy tokens identical") for r in engine_rows
-               if r["lever"] != "3 quantization")
+               if r["lever"] != "3 quantization" and r not in kv_int8)
     speculation = [r for r in engine_rows if r["change"].startswith("speculative decoding")]
     assert len(speculation) == 2 and all("tokens per verification" in r["accuracy"] for r in speculation)
     assert (tmp_path / "student-1" / "config.json").exists()  # the draft: fivefold distill's student
     batching = [r for r in measured if r["change"].startswith("dynamic batching")]
     assert len(batching) == 1 and float(batching[0]["accuracy"].split("min cosine ")[1].split(";")[0]) > 0.99999
     structure = [r for r in measured if r["lever"] == "1 structure"]
-    cnn = [r for r in measured if not r["runs"] and r not in batching + structure]  # fx fusion of the CNNs
+    cnn = [r for r in measured if not r["runs"] and r not in batching + structure + kv_int8]  # fx fusion of the CNNs
     assert [r["change"].split(":")[0] for r in cnn] == ["resnet18", "mobilenet_v2"]
     assert all(r["accuracy"].startswith("none: max |diff|") and float(r["accuracy"].split()[-1]) < 1e-5 for r in cnn)
     assert any("hot path" in r["change"] for r in engine_rows)
@@ -96,7 +99,7 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     for r in quant:  # the int8 run really ran int8 layers, and recorded its configuration
         assert registry.get(r["runs"][1]).config["quantization"]["scheme"] in ("w8a16", "w8a8")
         assert registry.compare(*r["runs"]).config_diff.keys() == {"quantization"}
-    caching = next(r for r in measured if r["lever"] == "5 caching")
+    caching = next(r for r in measured if r["change"].startswith("prefix cache"))
     no_cache, cache = (registry.get(i).metrics for i in caching["runs"])
     assert cache["num_computed_prompt_tokens"] < no_cache["num_computed_prompt_tokens"] == no_cache["num_prompt_tokens"]
     registry.close()

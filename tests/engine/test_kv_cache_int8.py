@@ -160,23 +160,18 @@ def test_smollm2_int8_kv_teacher_forced_agreement_and_perplexity(smollm2):
     Measured here with the keys rotated (kv_quant.key_rotation): 99.15% agreement over these 1530
     positions (99.14% over 4080 other ones), perplexity +0.02%; every flip at a float margin (top-1
     minus top-2 logprob) under 0.5 nats. Without the rotation: 98.4% (98.3%)."""
+    from fivefold.eval.language import engine_teacher_forced, entries_perplexity, top1_agreement
     from fivefold.eval.text import text_windows
 
     windows = text_windows(smollm2.tokenizer, "heldout", 6, 256, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
-    results = {}
-    for dtype in ("auto", "int8"):
-        llm = LLM(smollm2, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, max_num_batched_tokens=64,
-                  kv_cache_dtype=dtype)
-        outs = llm.generate(windows, params)
-        results[dtype] = [e for out in outs for e in out.prompt_logprobs[1:]]
-    ref, ours = results["auto"], results["int8"]
+    ref, ours = (engine_teacher_forced(smollm2, windows, chunk=64, num_top=2, kv_cache_dtype=d) for d in ("auto", "int8"))
     flips = [(r, o) for r, o in zip(ref, ours) if r["top"][0][0] != o["top"][0][0]]
-    agreement = 1 - len(flips) / len(ref)
+    agreement = top1_agreement(ref, ours)
+    assert agreement == 1 - len(flips) / len(ref)
     worst_margin = max((r["top"][0][1] - r["top"][1][1] for r, _ in flips), default=0.0)
     lp_f = torch.tensor([e["logprob"] for e in ref])
     lp_q = torch.tensor([e["logprob"] for e in ours])
-    ppl_f, ppl_q = math.exp(-lp_f.mean().item()), math.exp(-lp_q.mean().item())
+    ppl_f, ppl_q = entries_perplexity(ref), entries_perplexity(ours)
     delta = (ppl_q - ppl_f) / ppl_f
     print(f"SmolLM2 held-out, {len(ref)} positions: top-1 agreement int8/float KV {100 * agreement:.2f}%, "
           f"largest float margin at a flip {worst_margin:.3f} nats, perplexity {ppl_f:.4f} -> {ppl_q:.4f} "
