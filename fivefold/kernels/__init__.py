@@ -83,7 +83,9 @@ def build_dir_name(name: str) -> str:
     from fivefold.platform import current_platform
 
     torch_key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
-    source_key = hashlib.sha256((_SOURCES / f"{name}.cpp").read_bytes()).hexdigest()[:8]
+    source = _SOURCES / f"{name}.cpp"
+    # A name with no source (fivefold env shows the pattern with name "<name>") gets a placeholder.
+    source_key = hashlib.sha256(source.read_bytes()).hexdigest()[:8] if source.exists() else "<source>"
     return f"{name}-{torch_key}-{source_key}-{current_platform().build_key}"
 
 

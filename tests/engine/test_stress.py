@@ -73,16 +73,19 @@ def test_a_private_copy_is_never_linked_below_a_block_its_sequence_does_not_hold
     assert kv.num_evictable_blocks == 0 and kv.prefix_cache.num_published_blocks == 0
 
 
-def test_the_engine_survives_the_issue_16_workload(tmp_path):
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_the_engine_survives_the_issue_16_workload(tmp_path, speculative):
     """The reported crash, on the real engine: a random-weight 2-layer Llama, 24 blocks of 16,
     prefix caching, waves of 12 mixing identical, block-aligned, shared-start and random prompts,
-    max_tokens 1-120, random aborts; integrity checked after every step."""
+    max_tokens 1-120, random aborts; integrity checked after every step. With prompt-lookup
+    speculation too (1-grams matched, so most decoding rows carry proposals)."""
     save_random_hf_model("llama", tmp_path, seed=1)
     loaded = load_model(str(tmp_path))
     c = loaded.config
     bytes_per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 16
     engine = LLMEngine(loaded, EngineConfig(block_size=16, kv_cache_memory_bytes=24 * bytes_per_block,
-                                            max_num_batched_tokens=128, max_num_seqs=12))
+                                            max_num_batched_tokens=128, max_num_seqs=12, speculative=speculative,
+                                            prompt_lookup_min=1))
     assert engine.kv_cache.num_blocks == 24
     rng = random.Random(0)
     base = [rng.randrange(3, TINY_VOCAB) for _ in range(64)]
@@ -105,3 +108,4 @@ def test_the_engine_survives_the_issue_16_workload(tmp_path):
             engine.kv_cache.check_integrity([s.seq for s in engine.requests.values()])
     assert finished + aborted == 36
     assert engine.stats()["num_used_blocks"] == 0 and engine.stats()["num_preemptions"] > 0
+    assert (engine.stats()["spec_num_draft_tokens"] > 0) == (speculative is not None)
