@@ -90,7 +90,7 @@ def main() -> None:
     from rich.table import Table
 
     from fivefold.engine.config import EngineConfig
-    from fivefold.engine.model_runner import ModelRunner
+    from fivefold.engine.model_runner import kv_bytes_per_token, kv_pool_num_blocks
 
     console = Console(width=160)
     loaded = load_model(DEFAULT_LLM)
@@ -99,11 +99,10 @@ def main() -> None:
     windows = text_windows(loaded.tokenizer, "heldout", args.windows, 256, seed=1)
     entries = {}
     for dtype in ("auto", "int8"):
-        runner = ModelRunner(loaded.model, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=GIB))
+        config = EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=GIB)
         name = "float32 KV" if dtype == "auto" else "int8 KV"
-        results[name] = {"tokens_per_gib": runner.num_blocks * runner.block_size,
-                         "bytes_per_token": runner.kv_bytes_per_token}
-        del runner
+        results[name] = {"tokens_per_gib": kv_pool_num_blocks(loaded.model, config) * config.block_size,
+                         "bytes_per_token": kv_bytes_per_token(loaded.model, dtype)}
         console.print(f"  {name}: decode at {args.context} tokens ...")
         results[name]["decode_single"] = decode_tok_s(loaded, prompts[:1], dtype)
         results[name]["decode_batch"] = decode_tok_s(loaded, prompts, dtype)

@@ -235,7 +235,7 @@ def _kv_cache_int8_rows(runner: "_Runner", model: str, sizes: DemoSizes, console
     """The int8 KV cache against the float one: tokens that fit the same pool (with the held-out
     perplexity cost, teacher-forced through the paged cache), and decode at a long context."""
     from fivefold.engine.config import EngineConfig
-    from fivefold.engine.model_runner import ModelRunner
+    from fivefold.engine.model_runner import kv_pool_num_blocks
     from fivefold.eval.language import engine_teacher_forced, entries_perplexity, top1_agreement
     from fivefold.eval.text import text_windows
 
@@ -243,9 +243,8 @@ def _kv_cache_int8_rows(runner: "_Runner", model: str, sizes: DemoSizes, console
     loaded = runner.loaded
     capacity = {}
     for dtype in ("auto", "int8"):
-        pool = ModelRunner(loaded.model, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=int(KV_CACHE_BYTES)))
-        capacity[dtype] = pool.num_blocks * pool.block_size
-        del pool
+        config = EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=int(KV_CACHE_BYTES))
+        capacity[dtype] = kv_pool_num_blocks(loaded.model, config) * config.block_size
     window = min(256, loaded.config.max_model_len - 1)  # a prompt must leave room for one new token
     windows = text_windows(loaded.tokenizer, "heldout", max(2, sizes.eval_windows), window, seed=1)
     ref, ours = (engine_teacher_forced(loaded, windows, kv_cache_dtype=d) for d in ("auto", "int8"))

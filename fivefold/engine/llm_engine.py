@@ -242,10 +242,10 @@ class LLMEngine:
         """Per sequence: (new tokens, their logprob entries or None). Rows with proposals are
         verified (speculative.verify); the others sampled as usual, in one call each."""
         plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
-        found: list = [None] * len(seqs)
         if len(plain) == len(seqs):
             sampled = self.sampler(logits, seqs)
             return [([t], [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
+        found: list = [None] * len(seqs)
         first_rows = [0]
         for seq in seqs:
             first_rows.append(first_rows[-1] + len(seq.spec_token_ids) + 1)

@@ -46,6 +46,11 @@ def kv_bytes_per_token(model: LlamaForCausalLM, kv_cache_dtype: str = "auto") ->
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
+def kv_pool_num_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Blocks of the KV pool ``config`` gives ``model`` (what :class:`ModelRunner` allocates)."""
+    return config.kv_cache_bytes() // (kv_bytes_per_token(model, config.kv_cache_dtype) * config.block_size)
+
+
 def serving_view(model: LlamaForCausalLM, config: EngineConfig) -> LlamaForCausalLM:
     """The model as this runner serves it, prepared once, here, and never in place: a copy of the
     module tree sharing every weight, whose projections are packed (``weight_layout="packed"``:
@@ -90,12 +95,10 @@ class ModelRunner:
         c = model.config
         self.kv_cache_dtype = kv_cache_torch_dtype(model, config.kv_cache_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(model, config.kv_cache_dtype)
-        bytes_per_block = self.kv_bytes_per_token * config.block_size
-        self.num_blocks = config.kv_cache_bytes() // bytes_per_block
+        self.num_blocks = kv_pool_num_blocks(model, config)
         if self.num_blocks < 1:
-            raise FivefoldError(
-                f"kv_cache_memory_bytes {config.kv_cache_bytes()} bytes is less than one block ({bytes_per_block} bytes)"
-            )
+            raise FivefoldError(f"kv_cache_memory_bytes {config.kv_cache_bytes()} bytes is less than one block "
+                                f"({self.kv_bytes_per_token * config.block_size} bytes)")
         # Zero-filled once: padded decode reads hit finite values only (see attention.py); an int8
         # row of zeros is values 0 with scale 0.
         row_size = kv_quant.row_bytes(c.head_dim) if self.kv_cache_dtype == torch.int8 else c.head_dim

@@ -9,6 +9,7 @@ import torch
 import fivefold.models.attention as attention
 from fivefold.kernels import paged_attention_ops
 from fivefold.models.attention import AttentionMetadata, paged_attention
+from tests.models.paged_batch import paged_step
 
 H, KVH, D, BS = 6, 2, 16, 4
 
@@ -37,26 +38,10 @@ def test_mixed_batch_equals_reference(use_kernel, use_tiled_prefill, monkeypatch
     num_blocks = 64
     cache = torch.zeros(2, num_blocks, KVH, BS, D)
     free = list(torch.randperm(num_blocks).tolist())  # scattered blocks
-    full = []
-    qs, ks, vs, slots, tables, qsl, lens = [], [], [], [], [], [0], []
-    for cached, new in cases:
-        L = cached + new
-        q_all, k_all, v_all = torch.randn(L, H, D), torch.randn(L, KVH, D), torch.randn(L, KVH, D)
-        blocks = [free.pop() for _ in range(-(-L // BS))]
-        for p in range(cached):  # pretend earlier steps wrote the context
-            cache[0, blocks[p // BS], :, p % BS] = k_all[p]
-            cache[1, blocks[p // BS], :, p % BS] = v_all[p]
-        qs.append(q_all[cached:]); ks.append(k_all[cached:]); vs.append(v_all[cached:])
-        slots += [blocks[p // BS] * BS + p % BS for p in range(cached, L)]
-        tables.append(blocks)
-        qsl.append(qsl[-1] + new)
-        lens.append(L)
-        full.append((q_all, k_all, v_all, new))
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, slot_mapping=torch.tensor(slots),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), block_size=BS,
-                             use_tiled_prefill=use_tiled_prefill)
-    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D ** -0.5)
+    (q, k, v), meta_args, full = paged_step(cache, cases, free, H, D)
+    meta = AttentionMetadata(**meta_args, use_tiled_prefill=use_tiled_prefill)
+    qsl = meta_args["query_start_loc"]
+    out = paged_attention(q, k, v, cache, meta, D ** -0.5)
     for i, (q_all, k_all, v_all, new) in enumerate(full):
         expected = reference(q_all, k_all, v_all, new)
         assert torch.allclose(out[qsl[i]:qsl[i + 1]], expected, atol=1e-5), f"sequence {i}"

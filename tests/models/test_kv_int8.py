@@ -13,6 +13,7 @@ from fivefold.errors import FivefoldError
 from fivefold.kernels import paged_attention_ops
 from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata, paged_attention
+from tests.models.paged_batch import paged_step
 
 H, KVH, D, BS = 4, 2, 16, 4
 NUM_BLOCKS = 96
@@ -146,27 +147,11 @@ def _mixed_batch(is_int8: bool):
     cases = [(9, 1), (0, 7), (13, 5), (3, 2), (22, 1), (30, 20)]  # (context already cached, new tokens)
     cache = torch.zeros(2, NUM_BLOCKS, KVH, BS, D + 4 if is_int8 else D, dtype=torch.int8 if is_int8 else torch.float32)
     free = torch.randperm(NUM_BLOCKS).tolist()
-    qs, ks, vs, slots, tables, qsl, lens, full = [], [], [], [], [], [0], [], []
-    for cached, new in cases:
-        L = cached + new
-        q_all, k_all, v_all = torch.randn(L, H, D), torch.randn(L, KVH, D), torch.randn(L, KVH, D)
-        blocks = [free.pop() for _ in range(-(-L // BS))]
-        for p in range(cached):
-            # An int8 cache holds rotated keys (kv_quant.key_rotation), as paged_attention writes them.
-            rk, rv = ((kv_quant.quantize_rows(k_all[p] @ kv_quant.key_rotation(D)), kv_quant.quantize_rows(v_all[p]))
-                      if is_int8 else (k_all[p], v_all[p]))
-            cache[0, blocks[p // BS], :, p % BS] = rk
-            cache[1, blocks[p // BS], :, p % BS] = rv
-        qs.append(q_all[cached:]); ks.append(k_all[cached:]); vs.append(v_all[cached:])
-        slots += [blocks[p // BS] * BS + p % BS for p in range(cached, L)]
-        tables.append(blocks)
-        qsl.append(qsl[-1] + new)
-        lens.append(L)
-        full.append((q_all, k_all, v_all, new))
-    width = max(len(t) for t in tables)
-    meta_args = dict(query_start_loc=qsl, seq_lens=lens, slot_mapping=torch.tensor(slots),
-                     block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), block_size=BS)
-    return cache, (torch.cat(qs), torch.cat(ks), torch.cat(vs)), meta_args, full
+    # An int8 cache holds rotated keys (kv_quant.key_rotation), as paged_attention writes them.
+    write = ((lambda k, v: (kv_quant.quantize_rows(k @ kv_quant.key_rotation(D)), kv_quant.quantize_rows(v)))
+             if is_int8 else None)
+    qkv, meta_args, full = paged_step(cache, cases, free, H, D, write)
+    return cache, qkv, meta_args, full
 
 
 @pytest.mark.parametrize("is_int8", [False, True])
