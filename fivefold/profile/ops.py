@@ -100,7 +100,8 @@ def op_cost(name: str, shapes: list[list[int]], elem_bytes: int) -> OpCost | Non
         if op in ("_linear_pointwise", "linear", "_weight_int8pack_mm", "int8_weight_linear", "stream_linear"):
             x, w = s[0], s[1]
             k, m = x[-1], _numel(x[:-1])
-            n = w[0] if w[1] == k else w[1]
+            # [N, K] (or oneDNN's [K, N] view); the streaming kernels' packed [N, Kp / W, W].
+            n = w[0] if len(w) == 3 or w[1] == k else w[1]
             w_bytes = 1 if op in ("_weight_int8pack_mm", "int8_weight_linear") else elem_bytes
             return OpCost(2 * m * n * k, elem_bytes * (m * k + m * n) + w_bytes * n * k)
         if op == "_scaled_dot_product_flash_attention_for_cpu" or op == "scaled_dot_product_attention":

@@ -32,6 +32,10 @@ def test_op_costs_from_shapes():
     # A packed linear: x [2, 3, 16], weight [32, 16] -> M = 6.
     assert op_cost("mkldnn::_linear_pointwise", [[2, 3, 16], [32, 16], [], [], [], []], 2) == OpCost(
         2 * 6 * 32 * 16, 2 * (6 * 16 + 6 * 32) + 2 * 32 * 16)
+    # The streaming kernels' packed weight [N, K / W, W] (W = 8 on AVX2): N is its first dimension.
+    assert op_cost("fivefold::stream_linear", [[1, 576], [3072, 72, 8], [], []], 4) == OpCost(
+        2 * 3072 * 576, 4 * (576 + 3072) + 4 * 3072 * 576)
+    assert op_cost("fivefold::int8_weight_linear", [[1, 576], [960, 36, 16], [960], []], 4).bytes == 4 * (576 + 960) + 960 * 576
     assert op_cost("aten::_int_mm", [[8, 16], [16, 32]], 4) == OpCost(2 * 8 * 16 * 32, 8 * 16 + 16 * 32 + 4 * 8 * 32)
     # Paged decode: 2 sequences, 4 heads over 2 KV heads, head_dim 8, a 3-block table of 16-token blocks.
     cost = op_cost("fivefold::paged_decode_attention", [[2, 4, 8], [2, 100, 2, 16, 8], [2, 3], [2], []], 4)
