@@ -350,11 +350,11 @@ def analyse(events: list, num_iterations: int, wall_s: float, unprofiled_s: floa
 def fusion_candidates(events: list, num_iterations: int, wall_s: float) -> list[FusionCandidate]:
     """Recurring chains of small top-level ops between two matmuls/attentions/sampling steps."""
     def unwrap(e) -> list:
-        # An op that only calls others (the C++ decode loop, fivefold::decode_layers, runs a whole
-        # step's kernels) is not a small op of a chain: its calls are.
-        children = list(getattr(e, "cpu_children", None) or [])
-        if children and categorize(_chain(e)) == "overhead":
-            return [x for c in children for x in unwrap(c)]
+        # An op with no category of its own that calls others (the C++ decode loop,
+        # fivefold::decode_layers, runs a whole step's kernels) is not a small op of a chain: its
+        # calls are. (Composite ops that have a category, layer_norm say, stay one link.)
+        if e.cpu_children and categorize(_chain(e)) == "overhead":
+            return [x for c in e.cpu_children for x in unwrap(c)]
         return [e]
 
     top = [x for e in events if not _is_annotation(e) and (e.cpu_parent is None or _is_annotation(e.cpu_parent))
