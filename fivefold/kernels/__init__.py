@@ -63,6 +63,7 @@ def _load(name: str) -> object | None:
             cpp_sources=[(_SOURCES / f"{name}.cpp").read_text()],
             extra_cflags=["-O3", *current_platform().compile_flags, "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_SOURCES)],  # the shared headers (simd.h)
             build_directory=str(build_dir),
             is_python_module=False,  # the library registers its ops with the dispatcher when loaded
         )
@@ -77,7 +78,8 @@ def build_dir_name(name: str) -> str:
     """``<name>-<torch installation>-<source hash>-<platform build key>``: one build per torch
     installation (two environments sharing a directory would recompile each other's build: ninja
     sees the include paths change), per source text (two checkouts with different sources sharing
-    the cache would otherwise rebuild over each other's library) and per instruction set compiled for."""
+    the cache would otherwise rebuild over each other's library; the shared headers count as part of
+    every kernel's source) and per instruction set compiled for."""
     import torch
 
     from fivefold.platform import current_platform
@@ -85,7 +87,8 @@ def build_dir_name(name: str) -> str:
     torch_key = hashlib.sha256(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
     source = _SOURCES / f"{name}.cpp"
     # A name with no source (fivefold env shows the pattern with name "<name>") gets a placeholder.
-    source_key = hashlib.sha256(source.read_bytes()).hexdigest()[:8] if source.exists() else "<source>"
+    headers = b"".join(h.read_bytes() for h in sorted(_SOURCES.glob("*.h")))
+    source_key = hashlib.sha256(source.read_bytes() + headers).hexdigest()[:8] if source.exists() else "<source>"
     return f"{name}-{torch_key}-{source_key}-{current_platform().build_key}"
 
 

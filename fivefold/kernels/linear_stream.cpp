@@ -28,83 +28,18 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 namespace {
 
-using bf16 = at::BFloat16;
-
 #if defined(__AVX512F__)
-constexpr int64_t kWidth = 16;
 constexpr int kChannels = 4, kRows = 4;  // 16 accumulators + 4 weight vectors + 1 activation of 32 registers
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline Vec vload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__)
-constexpr int64_t kWidth = 8;
 constexpr int kChannels = 4, kRows = 2;  // 8 accumulators + 4 weight vectors + 1 activation of 16 registers
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline Vec vload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #else
-constexpr int64_t kWidth = 1;
 constexpr int kChannels = 4, kRows = 2;
-using Vec = float;
-inline Vec vzero() { return 0.f; }
-inline Vec vload(const float* p) { return *p; }
-inline Vec vload(const bf16* p) { return static_cast<float>(*p); }
-inline Vec vload(const int8_t* p) { return static_cast<float>(*p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
-inline float vsum(Vec a) { return a; }
 #endif
-
-inline Vec xload(const float* p) {
-#if defined(__AVX512F__)
-  return _mm512_loadu_ps(p);
-#elif defined(__AVX2__)
-  return _mm256_loadu_ps(p);
-#else
-  return *p;
-#endif
-}
-
-// The last, partial column step: the first `n` (< kWidth) floats, zeros after (the packed
-// weights are zero there too, and x's row may end at the end of its allocation).
-inline Vec xload_partial(const float* p, int64_t n) {
-#if defined(__AVX512F__)
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-#elif defined(__AVX2__)
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-#else
-  return n > 0 ? *p : 0.f;
-#endif
-}
 
 // Software prefetch kAheadBytes ahead in the thread's stream (one sequential run, so that is
 // where it reads next). 1-16 KB measured alike; without it, int8 and bf16 weights (less compute
@@ -135,7 +70,7 @@ inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, in
     Vec wv[C];
     for (int c = 0; c < C; ++c) wv[c] = vload(p + c * kWidth);
     for (int r = 0; r < R; ++r) {
-      const Vec xv = xload(x + r * K + s * kWidth);
+      const Vec xv = vload(x + r * K + s * kWidth);
       for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
   }

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 template <typename cache_t>
@@ -78,8 +80,9 @@ inline void prefetch_row(const cache_t* row, int64_t row_size) {
 }
 
 // scalar_t: q and out (float32 or bfloat16); cache_t: the cache (scalar_t, or int8_t).
+// Any head_dim: the fallback of decode_kernel_vec (head_dims that are not a multiple of the vector width).
 template <typename scalar_t, typename cache_t>
-void decode_kernel(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+void decode_kernel_any_dim(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const PagedRows<cache_t> keys(kv_cache, 0), vals(kv_cache, 1);
@@ -135,6 +138,172 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& kv_cache, const 
           out_ptr[(s * num_heads + h * group + g) * head_dim + i] = static_cast<scalar_t>(acc[g * head_dim + i]);
     }
   });
+}
+
+// Block b's rows of head h: block_size rows of row_size elements, one contiguous run.
+template <typename cache_t>
+inline const cache_t* block_rows(const PagedRows<cache_t>& rows, int64_t block, int64_t h) {
+  return rows.base + (block * rows.num_kv_heads + h) * rows.block_size * rows.row_size;
+}
+
+// The vector kernel asks for the row kVecPrefetchAhead rows on (into L1), and, into L2, the row
+// of the run kFarRuns blocks on in the thread's walk (see Walk). The near prefetch alone was not
+// enough: at ~25 cycles a row, 8 rows ahead is ~60 ns, less than a DRAM miss, and the vector
+// kernel read 13 GB/s from DRAM where the scalar one, slower per row, read 16. With the far
+// prefetch it reads 23-24 GB/s (64 sequences x 192 tokens, 30 layers' caches), 19-21 GB/s (one
+// sequence of 2048); 4 runs ahead measured a little slower than 8, 16 rows ahead into L1 slower.
+constexpr int64_t kVecPrefetchAhead = 8;
+constexpr int64_t kFarRuns = 8;
+
+template <typename cache_t>
+inline void prefetch_row_l2(const cache_t* row, int64_t row_size) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < row_size * static_cast<int64_t>(sizeof(cache_t)); off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+// While on row r of a block, ask for the row kPrefetchAhead rows on: in this block, or in `next`.
+template <typename cache_t>
+inline void prefetch_ahead(const cache_t* row, const cache_t* next, int64_t r, int64_t block_size, int64_t row_size) {
+  const int64_t ahead = r + kVecPrefetchAhead;
+  if (ahead < block_size) prefetch_row(row + kVecPrefetchAhead * row_size, row_size);
+  else if (ahead < 2 * block_size) prefetch_row(next + (ahead - block_size) * row_size, row_size);
+}
+
+// A thread reads its work items' runs in one order: item w's key blocks, its value blocks, then
+// item w + 1's. Run i of that walk (counted from item w's first key block), or null past the
+// thread's last item.
+template <typename cache_t>
+struct Walk {
+  const PagedRows<cache_t>& keys;
+  const PagedRows<cache_t>& vals;
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t max_blocks, num_kv_heads, end;
+
+  const cache_t* run(int64_t work, int64_t i) const {
+    for (; work < end; ++work) {
+      const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t num_blocks = (lens[s] + keys.block_size - 1) / keys.block_size;
+      if (i < 2 * num_blocks) {
+        const int64_t* table = tables + s * max_blocks;
+        return i < num_blocks ? block_rows(keys, table[i], h) : block_rows(vals, table[i - num_blocks], h);
+      }
+      i -= 2 * num_blocks;
+    }
+    return nullptr;
+  }
+};
+
+// decode_kernel_any_dim for head_dim = NV vectors (simd.h's width): the same arithmetic in vector
+// registers. The scalar kernel spends ~170 cycles per (row, KV head): a division by the block size
+// per row it finds, and dot products and sums element by element; from cache it reads 22 GB/s.
+// Here a work item walks its blocks (no division per row), holds a key row in NV registers while
+// each grouped query head takes its dot product, and accumulates value rows in NV registers per
+// query head while the block is in L1 (35-39 GB/s from cache); the prefetches above keep DRAM busy.
+// Measured against the scalar kernel, same shapes, alternating runs (SmolLM2: 9 heads, 3 KV heads,
+// head_dim 64; scattered blocks of 16; each layer's cache from DRAM): 64 x 192 tokens 1.10-1.20 ->
+// 0.78-0.82 ms per layer, 1 x 2048 0.23-0.24 -> 0.15-0.17, 1 x 192 19 -> 13 us.
+template <typename scalar_t, typename cache_t, int NV>
+void decode_kernel_vec(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  constexpr int64_t D = NV * kWidth;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const PagedRows<cache_t> keys(kv_cache, 0), vals(kv_cache, 1);
+  const int64_t num_kv_heads = keys.num_kv_heads, row_size = keys.row_size, block_size = keys.block_size;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const Walk<cache_t> walk{keys, vals, tables, lens, max_blocks, num_kv_heads, end};
+    std::vector<float> scores, qf(group * D), acc(group * D);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t len = lens[s], num_blocks = (len + block_size - 1) / block_size;
+      const int64_t* table = tables + s * max_blocks;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < D; ++i)
+          qf[g * D + i] = static_cast<float>(q_ptr[(s * num_heads + h * group + g) * D + i]) * scale;
+      // scores[g][t] = q_g . k_t (times k_t's scale for an int8 row)
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const cache_t* row = block_rows(keys, table[b], h);
+        const cache_t* next = b + 1 < num_blocks ? block_rows(keys, table[b + 1], h) : block_rows(vals, table[0], h);
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        const cache_t* far = walk.run(work, b + kFarRuns);
+        for (int64_t r = 0; r < n; ++r, row += row_size) {
+          prefetch_ahead(row, next, r, block_size, row_size);
+          if (far != nullptr) prefetch_row_l2(far + r * row_size, row_size);
+          Vec k[NV];
+          for (int j = 0; j < NV; ++j) k[j] = vload(row + j * kWidth);
+          const float ks = row_scale(row, D);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * D;
+            Vec a = vzero();
+            for (int j = 0; j < NV; ++j) a = vfma(vload(qg + j * kWidth), k[j], a);
+            scores[g * len + t0 + r] = vsum(a) * ks;
+          }
+        }
+      }
+      // softmax numerators per query head; the 1 / sum is applied to the output
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::max();
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { p[t] = std::exp(p[t] - mx); sum += p[t]; }
+        inv_sum[g] = 1.f / sum;
+      }
+      // out_g = sum_t p[g][t] v_t, block by block; each query head's accumulators in registers
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const cache_t* rows = block_rows(vals, table[b], h);
+        const cache_t* next = b + 1 < num_blocks ? block_rows(vals, table[b + 1], h) : rows;
+        const cache_t* far = walk.run(work, num_blocks + b + kFarRuns);
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t g = 0; g < group; ++g) {
+          float* ag = acc.data() + g * D;
+          Vec a[NV];
+          for (int j = 0; j < NV; ++j) a[j] = b == 0 ? vzero() : vload(ag + j * kWidth);
+          const float* p = scores.data() + g * len + t0;
+          const cache_t* row = rows;
+          for (int64_t r = 0; r < n; ++r, row += row_size) {
+            if (g == 0) {
+              prefetch_ahead(row, next, r, block_size, row_size);
+              if (far != nullptr) prefetch_row_l2(far + r * row_size, row_size);
+            }
+            const Vec w = vset1(p[r] * row_scale(row, D));
+            for (int j = 0; j < NV; ++j) a[j] = vfma(w, vload(row + j * kWidth), a[j]);
+          }
+          for (int j = 0; j < NV; ++j) vstore(ag + j * kWidth, a[j]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < D; ++i)
+          out_ptr[(s * num_heads + h * group + g) * D + i] = static_cast<scalar_t>(acc[g * D + i] * inv_sum[g]);
+    }
+  });
+}
+
+// The vector kernel where head_dim is 1, 2, 4, 8 or 16 vectors, else the scalar one.
+template <typename scalar_t, typename cache_t>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t head_dim = q.size(2);
+  const int64_t num_vectors = kWidth > 1 && head_dim % kWidth == 0 ? head_dim / kWidth : 0;
+  if constexpr (std::is_same_v<cache_t, double>) {  // instantiated by the dtype dispatch, refused by check_cache
+    return decode_kernel_any_dim<scalar_t, cache_t>(q, kv_cache, block_tables, seq_lens, scale, out);
+  } else switch (num_vectors) {
+    case 1: return decode_kernel_vec<scalar_t, cache_t, 1>(q, kv_cache, block_tables, seq_lens, scale, out);
+    case 2: return decode_kernel_vec<scalar_t, cache_t, 2>(q, kv_cache, block_tables, seq_lens, scale, out);
+    case 4: return decode_kernel_vec<scalar_t, cache_t, 4>(q, kv_cache, block_tables, seq_lens, scale, out);
+    case 8: return decode_kernel_vec<scalar_t, cache_t, 8>(q, kv_cache, block_tables, seq_lens, scale, out);
+    case 16: return decode_kernel_vec<scalar_t, cache_t, 16>(q, kv_cache, block_tables, seq_lens, scale, out);
+    default: return decode_kernel_any_dim<scalar_t, cache_t>(q, kv_cache, block_tables, seq_lens, scale, out);
+  }
 }
 
 // Queries per tile of paged_prefill_attention: a tile shares each key and value row it reads
