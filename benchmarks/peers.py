@@ -9,7 +9,9 @@ ignored, greedy. Three workloads:
   batch64   64 prompts, 128 new tokens each: the same
 
 Systems: fivefold in float32, bfloat16 (where this CPU computes bf16 natively), W8A16 and W8A8
-(dynamic per-token), all on the serving engine with its defaults; transformers (float32, in
+(dynamic per-token), all on the serving engine with its defaults, and float32 with the int8 KV
+cache (fivefold-float32-kv8, shown beside the defaults, not one of them); every fivefold system and
+vLLM get the same KV cache space (KV_CACHE_GIB); transformers (float32, in
 this process; batches padded on the left); vLLM (CPU build, float32) and llama.cpp (the built-in
 Q4_1 GGUF, single stream) when installed in their own virtual environments (``../shared/PEERS.md``,
 ``~/peers/vllm`` and ``~/peers/llamacpp``, or ``--vllm-python`` / ``--llamacpp-python``), each run
@@ -62,7 +64,10 @@ PROMPT_LEN = 128
 # scheduler preempted and recomputed sequences that vLLM's 4 GiB held: 243 tok/s against 301 with room.)
 KV_CACHE_GIB = 4
 WORKLOADS = {"single": (1, 64), "batch16": (16, 64), "batch64": (64, 128)}
-FIVEFOLD = ("fivefold-float32", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8")
+FIVEFOLD = ("fivefold-float32", "fivefold-float32-kv8", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8")
+# A system name's "-kv8" suffix: the same weights with kv_cache_dtype="int8" (a quality trade: not the
+# float32 defaults that the ratios compare, shown beside them).
+KV8_SUFFIX = "-kv8"
 PEERS = ("transformers-float32", "vllm-float32", "llamacpp-q4_1")
 
 
@@ -78,7 +83,7 @@ def load_fivefold(system: str):
     from fivefold.eval.language import llm_forward
     from fivefold.quant.quantize import quantize_
 
-    variant = system.removeprefix("fivefold-")
+    variant = system.removeprefix("fivefold-").removesuffix(KV8_SUFFIX)
     if variant in ("float32", "bfloat16"):
         loaded = load_model(DEFAULT_LLM, variant)
         return loaded, loaded.config.num_parameters() * loaded.model.dtype.itemsize, variant
@@ -96,7 +101,8 @@ def run_fivefold(system: str, workloads: list[str]) -> tuple[dict, int, str]:
     results = {}
     for name in workloads:
         num, new = WORKLOADS[name]
-        llm = LLM(loaded, max_num_seqs=max(num, 1), kv_cache_memory_bytes=float(KV_CACHE_GIB << 30))
+        llm = LLM(loaded, max_num_seqs=max(num, 1), kv_cache_memory_bytes=float(KV_CACHE_GIB << 30),
+                  kv_cache_dtype="int8" if system.endswith(KV8_SUFFIX) else "auto")
         prompts = prompts_for(llm.tokenizer, num)
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         if name == "single":
