@@ -90,3 +90,41 @@ def test_decode_kernel_head_dims_and_dtypes_against_float64(head_dim, cache_dtyp
         expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
         diff = (out[s].double() - expected).abs().max().item()
         assert diff <= tol, f"sequence {s} (length {lens[s]}): {diff}"
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_decode_kernel_one_or_two_sequences(num_kv_heads, cache_dtype):
+    """Fewer work items than threads and one thread's walk ending inside a sequence: one sequence
+    at a time (1 token to 40 blocks) and two of unequal lengths, 1-3 KV heads; against float64."""
+    from fivefold.models import kv_quant
+
+    ops = paged_attention_ops()
+    torch.manual_seed(num_kv_heads)
+    head_dim, block_size, group = 64, 16, 3
+    num_heads = num_kv_heads * group
+    is_int8 = cache_dtype == torch.int8
+    for lens in ([1], [2], [16], [17], [100], [640], [7, 300]):
+        num_blocks = sum(-(-n // block_size) for n in lens) + 3
+        cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim + 4 if is_int8 else head_dim,
+                            dtype=cache_dtype)
+        free = torch.randperm(num_blocks).tolist()
+        tables, contexts = [], []
+        for n in lens:
+            blocks = [free.pop() for _ in range(-(-n // block_size))]
+            kv = torch.randn(2, n, num_kv_heads, head_dim) * 2
+            stored = kv_quant.quantize_rows(kv) if is_int8 else kv
+            for p in range(n):
+                cache[:, blocks[p // block_size], :, p % block_size] = stored[:, p]
+            contexts.append((kv_quant.dequantize(stored) if is_int8 else stored).double())
+            tables.append(blocks)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        q = torch.randn(len(lens), num_heads, head_dim)
+        out = ops.paged_decode_attention(q, cache, table, torch.tensor(lens), head_dim ** -0.5)
+        for s, (k, v) in enumerate(contexts):
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[s].double(), k) * head_dim ** -0.5
+            expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+            diff = (out[s].double() - expected).abs().max().item()
+            assert diff <= 1e-5, f"lengths {lens}, sequence {s}: {diff}"
