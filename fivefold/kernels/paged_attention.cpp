@@ -161,7 +161,7 @@ inline void prefetch_row_l2(const cache_t* row, int64_t row_size) {
   for (int64_t off = 0; off < row_size * static_cast<int64_t>(sizeof(cache_t)); off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
-// While on row r of a block, ask for the row kPrefetchAhead rows on: in this block, or in `next`.
+// While on row r of a block, ask for the row kVecPrefetchAhead rows on: in this block, or in `next`.
 template <typename cache_t>
 inline void prefetch_ahead(const cache_t* row, const cache_t* next, int64_t r, int64_t block_size, int64_t row_size) {
   const int64_t ahead = r + kVecPrefetchAhead;
@@ -219,7 +219,7 @@ void decode_kernel_vec(const torch::Tensor& q, const torch::Tensor& kv_cache, co
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const Walk<cache_t> walk{keys, vals, tables, lens, max_blocks, num_kv_heads, end};
-    std::vector<float> scores, qf(group * D), acc(group * D);
+    std::vector<float> scores, qf(group * D), acc(group * D), inv_sum(group);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / num_kv_heads, h = work % num_kv_heads;
       const int64_t len = lens[s], num_blocks = (len + block_size - 1) / block_size;
@@ -249,7 +249,6 @@ void decode_kernel_vec(const torch::Tensor& q, const torch::Tensor& kv_cache, co
         }
       }
       // softmax numerators per query head; the 1 / sum is applied to the output
-      std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
         float* p = scores.data() + g * len;
         float mx = -std::numeric_limits<float>::max();
