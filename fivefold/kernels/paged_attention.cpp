@@ -73,10 +73,11 @@ struct PagedRows {
 // row kPrefetchAhead positions on while working on this one.
 constexpr int64_t kPrefetchAhead = 8;
 
-template <typename cache_t>
+// Locality 3 asks for the row in L1, 2 in L2 (the far prefetch of the vector kernel).
+template <int kLocality = 3, typename cache_t>
 inline void prefetch_row(const cache_t* row, int64_t row_size) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < row_size * static_cast<int64_t>(sizeof(cache_t)); off += 64) __builtin_prefetch(p + off);
+  for (int64_t off = 0; off < row_size * static_cast<int64_t>(sizeof(cache_t)); off += 64) __builtin_prefetch(p + off, 0, kLocality);
 }
 
 // scalar_t: q and out (float32 or bfloat16); cache_t: the cache (scalar_t, or int8_t).
@@ -146,26 +147,19 @@ inline const cache_t* block_rows(const PagedRows<cache_t>& rows, int64_t block, 
   return rows.base + (block * rows.num_kv_heads + h) * rows.block_size * rows.row_size;
 }
 
-// The vector kernel asks for the row kVecPrefetchAhead rows on (into L1), and, into L2, the row
+// The vector kernel asks for the row kPrefetchAhead rows on (into L1), and, into L2, the row
 // of the run kFarRuns blocks on in the thread's walk (see Walk). The near prefetch alone was not
 // enough: at ~25 cycles a row, 8 rows ahead is ~60 ns, less than a DRAM miss, and the vector
 // kernel read 13 GB/s from DRAM where the scalar one, slower per row, read 16. With the far
 // prefetch it reads 23-24 GB/s (64 sequences x 192 tokens, 30 layers' caches), 19-21 GB/s (one
 // sequence of 2048); 4 runs ahead measured a little slower than 8, 16 rows ahead into L1 slower.
-constexpr int64_t kVecPrefetchAhead = 8;
 constexpr int64_t kFarRuns = 8;
 
-template <typename cache_t>
-inline void prefetch_row_l2(const cache_t* row, int64_t row_size) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < row_size * static_cast<int64_t>(sizeof(cache_t)); off += 64) __builtin_prefetch(p + off, 0, 2);
-}
-
-// While on row r of a block, ask for the row kVecPrefetchAhead rows on: in this block, or in `next`.
+// While on row r of a block, ask for the row kPrefetchAhead rows on: in this block, or in `next`.
 template <typename cache_t>
 inline void prefetch_ahead(const cache_t* row, const cache_t* next, int64_t r, int64_t block_size, int64_t row_size) {
-  const int64_t ahead = r + kVecPrefetchAhead;
-  if (ahead < block_size) prefetch_row(row + kVecPrefetchAhead * row_size, row_size);
+  const int64_t ahead = r + kPrefetchAhead;
+  if (ahead < block_size) prefetch_row(row + kPrefetchAhead * row_size, row_size);
   else if (ahead < 2 * block_size) prefetch_row(next + (ahead - block_size) * row_size, row_size);
 }
 
@@ -236,7 +230,7 @@ void decode_kernel_vec(const torch::Tensor& q, const torch::Tensor& kv_cache, co
         const cache_t* far = walk.run(work, b + kFarRuns);
         for (int64_t r = 0; r < n; ++r, row += row_size) {
           prefetch_ahead(row, next, r, block_size, row_size);
-          if (far != nullptr) prefetch_row_l2(far + r * row_size, row_size);
+          if (far != nullptr) prefetch_row<2>(far + r * row_size, row_size);
           Vec k[NV];
           for (int j = 0; j < NV; ++j) k[j] = vload(row + j * kWidth);
           const float ks = row_scale(row, D);
@@ -272,7 +266,7 @@ void decode_kernel_vec(const torch::Tensor& q, const torch::Tensor& kv_cache, co
           for (int64_t r = 0; r < n; ++r, row += row_size) {
             if (g == 0) {
               prefetch_ahead(row, next, r, block_size, row_size);
-              if (far != nullptr) prefetch_row_l2(far + r * row_size, row_size);
+              if (far != nullptr) prefetch_row<2>(far + r * row_size, row_size);
             }
             const Vec w = vset1(p[r] * row_scale(row, D));
             for (int j = 0; j < NV; ++j) a[j] = vfma(w, vload(row + j * kWidth), a[j]);
