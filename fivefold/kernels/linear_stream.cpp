@@ -23,9 +23,13 @@
 // directory is per -march, and stream_linear checks W).
 #include <torch/extension.h>
 #include <omp.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,6 +50,13 @@ constexpr int kChannels = 4, kRows = 2;
 // per byte than float32) ran a few % slower.
 constexpr int64_t kAheadBytes = 4096;
 
+// Except for one float32 row: there the loop does one FMA per 32 bytes, the hardware prefetcher
+// keeps up alone, and the prefetches only take load slots. On Zen 3 (AVX2), 121 SmolLM2 matrices
+// from DRAM, alternating runs: 12.0 GB/s median with them, 13.7 without (int8: 11.7 with, 9.4
+// without; float32 with 4 rows: 12.0 with, 11.0 without).
+template <typename T, int R>
+constexpr bool kPrefetches = !(std::is_same_v<T, float> && R == 1);
+
 struct Epilogue {
   const float* scale;  // [N] or null
   const float* bias;   // [N] or null
@@ -64,8 +75,9 @@ inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, in
   const T* p = wt;
   for (int64_t s = 0; s < num_full; ++s, p += kStep) {
 #if defined(__AVX2__)
-    for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + b, _MM_HINT_T0);
+    if constexpr (kPrefetches<T, R>)
+      for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + b, _MM_HINT_T0);
 #endif
     Vec wv[C];
     for (int c = 0; c < C; ++c) wv[c] = vload(p + c * kWidth);
@@ -128,13 +140,40 @@ void relayout(const torch::Tensor& row_major, const torch::Tensor& packed, bool 
   for (auto& [rows, tiles] : parts) to_packed ? tiles.copy_(rows) : rows.copy_(tiles);
 }
 
+// A weight is read front to back once per decode step. On 4 KB pages each page is a TLB miss (a
+// two-level walk inside a VM) and a point where the hardware prefetcher stops; on 2 MB pages it
+// streamed 5-8% faster (Zen 3, 121 SmolLM2 matrices from DRAM, alternating runs: float32
+// 12.6-14.6 -> 13.1-15.6 GB/s, int8 10.6-12.1 -> 10.7-12.7). Transparent huge pages are asked for
+// with madvise, the mode most distributions default to; where THP is off, the memory is plain
+// 4 KB pages, as torch::empty's would be. Below 2 MB (no whole huge page) it is torch::empty.
+torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, const torch::TensorOptions& options) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const size_t nbytes = c10::multiply_integers(sizes) * options.dtype().itemsize();
+  if (nbytes >= kHuge) {
+    const size_t len = (nbytes + 4095) / 4096 * 4096;
+    void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw != MAP_FAILED) {
+      // Keep the 2 MB-aligned part of the mapping, so that every whole 2 MB of the weight can be a huge page.
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw), start = (begin + kHuge - 1) & ~(kHuge - 1);
+      if (start > begin) munmap(raw, start - begin);
+      if (const uintptr_t end = begin + len + kHuge; end > start + len) munmap(reinterpret_cast<void*>(start + len), end - start - len);
+      void* data = reinterpret_cast<void*>(start);
+      madvise(data, len, MADV_HUGEPAGE);  // advice: where THP is off it does nothing, and the pages stay 4 KB
+      return torch::from_blob(data, sizes, [len](void* ptr) { munmap(ptr, len); }, options);
+    }
+  }
+#endif
+  return torch::empty(sizes, options);
+}
+
 // w: [N, K] row-major -> [N, Kp / W, W] in the kernel's layout (Kp: K rounded up to the vector
 // width W, zero-padded). The shape keeps N and Kp; the memory is tile-major (see the top).
 torch::Tensor stream_pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "stream_pack: expects a [N, K] weight, got ", w.sizes());
   const int64_t steps = (w.size(1) + kWidth - 1) / kWidth;
   const torch::Tensor padded = at::constant_pad_nd(w, {0, steps * kWidth - w.size(1)}).contiguous();
-  auto out = torch::empty({w.size(0), steps, kWidth}, w.options());
+  auto out = empty_on_huge_pages({w.size(0), steps, kWidth}, w.options());
   relayout(padded, out, /*to_packed=*/true);
   return out;
 }
