@@ -108,7 +108,7 @@ def stream_ops():
 
 
 def fused_ops():
-    """``torch.ops.fivefold`` with ``fused_add_rms_norm_``, ``silu_and_mul`` and ``rotary_qk_``, or None."""
+    """``torch.ops.fivefold`` with ``fused_add_rms_norm_``, ``silu_and_mul``, ``rotary_qk_`` and ``rotate_qk_``, or None."""
     return _load("fused_ops")
 
 

@@ -11,6 +11,7 @@
 //   fused_add_rms_norm_(x, residual)          residual += x; x = norm(residual)
 //   qkv = linear(x, qkv_proj)                 [B, (H + 2 KVH) D]
 //   rotary_qk_(q, k)                          views of qkv, in place
+//   rotate_qk_(q, k, key_rotation)            int8 cache only, in place
 //   k, v -> KV cache at their slots           plain copies (float32), quantized rows (int8)
 //   attn = paged_decode_attention(q, cache)   [B, H, D]
 //   x = linear(attn, o_proj); fused_add_rms_norm_(x, residual)
@@ -59,6 +60,7 @@ struct Ops {
   const c10::OperatorHandle add_norm = op("fivefold::fused_add_rms_norm_");
   const c10::OperatorHandle silu_mul = op("fivefold::silu_and_mul");
   const c10::OperatorHandle rotary = op("fivefold::rotary_qk_");
+  const c10::OperatorHandle rotate = op("fivefold::rotate_qk_");
 };
 
 const Ops& ops() {
@@ -164,10 +166,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
     call(ops().rotary, {q, k, cos, sin});
-    if (key_rotation.numel() > 0) {
-      q = at::matmul(q, key_rotation);
-      k = at::matmul(k, key_rotation);
-    }
+    if (key_rotation.numel() > 0) call(ops().rotate, {q, k, key_rotation});
     write_kv(k, v, kv_caches[i], blocks, offsets);
     torch::Tensor attn = query_start_loc.numel() > 0
         ? call(ops().chunk_attention, {q, kv_caches[i], block_tables, query_start_loc, seq_lens, scale})[0].toTensor()

@@ -31,7 +31,7 @@ _FRAMEWORK = {"view", "reshape", "_unsafe_view", "_reshape_alias", "as_strided",
               "detach", "detach_", "alias", "resolve_conj", "resolve_neg", "result_type", "empty", "empty_like",
               "empty_strided", "lift_fresh", "item", "_local_scalar_dense", "is_nonzero", "size", "stride", "flatten",
               "unflatten", "view_as", "expand_as", "numpy_T", "set_", "lift_fresh_copy", "scalar_tensor", "tensor"}
-_FUSED_ELEMENTWISE = {"rotary_qk_"}  # our fused kernels of pointwise maths
+_FUSED_ELEMENTWISE = {"rotary_qk_", "rotate_qk_"}  # our fused per-row kernels (RoPE; the int8 cache's key rotation)
 _SAMPLING = {"argmax", "topk", "sort", "multinomial", "exponential_"}
 SAMPLING_REGION = "fivefold::sampling"
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fivefold.models.attention as attention
 from fivefold.errors import FivefoldError
-from fivefold.kernels import paged_attention_ops
+from fivefold.kernels import fused_ops, paged_attention_ops
 from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata, paged_attention
 from tests.models.paged_batch import paged_step
@@ -201,3 +201,31 @@ def test_key_rotation_is_orthonormal_and_spreads_an_outlier_channel(head_dim):
     plain = (queries * kv_quant.dequantize(kv_quant.quantize_rows(keys))).sum(-1)
     rotated = ((queries @ rotation) * kv_quant.dequantize(kv_quant.quantize_rows(keys @ rotation))).sum(-1)
     assert (rotated - exact).abs().mean() < 0.5 * (plain - exact).abs().mean()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the two fixed-size loops and the general one
+def test_rotate_qk_kernel_equals_the_matmul_in_float64(num_tokens, head_dim):
+    """fivefold::rotate_qk_ (the C++ decode loop's key rotation) rotates q and k, views into one
+    fused qkv row as the loop passes them, in place, to x @ R computed in float64; the values past
+    q and k (v) are left alone. 64 tokens x 12 rows takes the multi-threaded branch."""
+    ops = fused_ops()
+    if ops is None:
+        pytest.skip("the fused_ops extension did not build here")
+    heads, kv_heads = 9, 3
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    # A seeded orthonormal matrix that is not symmetric (key_rotation's Hadamard is, and would hide
+    # a transposed index): the op takes any [D, D].
+    rotation = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))[0].float()
+    assert not torch.allclose(rotation, rotation.T)
+    expected_q, expected_k = q.double() @ rotation.double(), k.double() @ rotation.double()
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    ops.rotate_qk_(q, k, rotation)
+    torch.testing.assert_close(q.double(), expected_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(k.double(), expected_k, rtol=0, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+    with pytest.raises(RuntimeError, match="rotate_qk_: r must be"):
+        ops.rotate_qk_(q, k, torch.eye(head_dim + 1))
