@@ -23,9 +23,10 @@ bandwidth is the median of that and one more copy measurement before each system
 the single stream's is the memory bandwidth over the weight bytes one token streams (each
 system's own: 4 bytes per parameter in float32, 2 in bf16, 1 for int8 linears, the GGUF's
 tensor bytes for llama.cpp); batch 64's is the GEMM peak of the system's arithmetic
-(float32, bf16; int8 for W8A8) over the work the workload needs: 2 FLOPs per parameter for
-every token through the model, the 128 prompt tokens of each sequence as well as its new ones
-(the batch's prefill is half its FLOPs; the JSON also gives the share counting new tokens only).
+(float32, bf16; int8 for W8A8) over the GEMM work the workload needs (gemm_flops_per_sequence:
+2 FLOPs per weight for every token through the layers, the 128 prompt tokens of each sequence as
+well as its new ones, and the LM head for sampled positions only; the batch's prefill is about
+half its FLOPs; the JSON also gives the share counting the decode steps' work only).
 
     .venv/bin/python benchmarks/peers.py [--systems fivefold-float32,vllm-float32,...] [--quick]
 
@@ -69,6 +70,20 @@ FIVEFOLD = ("fivefold-float32", "fivefold-float32-kv8", "fivefold-bfloat16", "fi
 # float32 defaults that the ratios compare, shown beside them).
 KV8_SUFFIX = "-kv8"
 PEERS = ("transformers-float32", "vllm-float32", "llamacpp-q4_1")
+
+
+def gemm_flops_per_sequence(config, prompt_len: int, num_new: int) -> int:
+    """The GEMM work one sequence of the batch workload needs, however it is batched.
+
+    Every token that enters the model goes through the layers (the prompt, then each new token
+    but the last, which is sampled and never fed back); only a sampled position goes through the
+    LM head (the prompt's last position and each decode step's), as every engine here runs it;
+    the embedding is a lookup. 2 FLOPs per weight per token; attention's own FLOPs (under 3% at
+    these lengths) are left out.
+    """
+    num_lm_head = config.vocab_size * config.hidden_size
+    num_body = config.num_parameters() - num_lm_head * (1 if config.is_tied_embeddings else 2)
+    return 2 * num_body * (prompt_len + num_new - 1) + 2 * num_lm_head * num_new
 
 
 def prompts_for(tokenizer, num: int) -> list[list[int]]:
@@ -248,6 +263,9 @@ def main() -> None:
     peaks = measure_peaks(refresh=True, dtypes=("float32", "int8") + (("bfloat16",) if plat.has_bf16_compute else ()))
     loaded = load_model(DEFAULT_LLM)
     num_params = loaded.config.num_parameters()
+    new = WORKLOADS["batch64"][1]
+    flops_per_new_token = gemm_flops_per_sequence(loaded.config, PROMPT_LEN, new) / new
+    flops_per_decode_token = gemm_flops_per_sequence(loaded.config, 1, 1)  # one token in, one sampled
     tokenizer = loaded.tokenizer
     del loaded
     rows, measured = [], []
@@ -295,10 +313,9 @@ def main() -> None:
     bandwidth = statistics.median(bandwidth_samples)
     for system, tok_s, nbytes, arithmetic in measured:
         bandwidth_roof = bandwidth / nbytes
-        # new tokens/s at the GEMM peak: every prompt token costs the same FLOPs as a new one
-        new = WORKLOADS["batch64"][1]
-        compute_roof_new_only = peaks.peak_flops(arithmetic) / (2 * num_params)
-        compute_roof = compute_roof_new_only * new / (PROMPT_LEN + new)
+        # new tokens/s at the GEMM peak, with the prompts' work (compute_roof) and without it
+        compute_roof = peaks.peak_flops(arithmetic) / flops_per_new_token
+        compute_roof_new_only = peaks.peak_flops(arithmetic) / flops_per_decode_token
         rows.append({"system": system, "weight_MB_per_token": round(nbytes / 1e6, 1), "arithmetic": arithmetic,
                      **{f"{w}_tok_s": round(v, 2) for w, v in tok_s.items()},
                      "single_share_of_bandwidth_roof": round(tok_s["single"] / bandwidth_roof, 3) if "single" in tok_s else None,
