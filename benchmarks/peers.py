@@ -19,7 +19,7 @@ in its own process from a script written to a temporary directory. A peer that i
 is skipped, and the table says so.
 
 Roofs, measured in the run (fivefold.profile.roofline.measure_peaks, refreshed, at the start; the
-bandwidth is the median of that and one more copy measurement before each system):
+bandwidth and each GEMM rate are the medians of that and one more measurement before each system):
 the single stream's is the memory bandwidth over the weight bytes one token streams (each
 system's own: 4 bytes per parameter in float32, 2 in bf16, 1 for int8 linears, the GGUF's
 tensor bytes for llama.cpp); batch 64's is the GEMM peak of the system's arithmetic
@@ -57,7 +57,7 @@ from fivefold.eval.text import corpus_ids, corpus_prompts  # noqa: E402
 from fivefold.models import load_model, resolve_model_path  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
-from fivefold.profile.roofline import measure_bandwidth, measure_peaks  # noqa: E402
+from fivefold.profile.roofline import MachinePeaks, measure_bandwidth, measure_flops, measure_peaks  # noqa: E402
 
 PROMPT_LEN = 128
 # Every system gets the same KV cache space: vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) and fivefold's pool.
@@ -270,9 +270,12 @@ def main() -> None:
     del loaded
     rows, measured = [], []
     bandwidth_samples = [peaks.bandwidth]
+    flops_samples = {dtype: [flops] for dtype, flops in peaks.flops.items()}
     for system in systems:
         console.print(f"[bold]{system}[/bold] ...")
         bandwidth_samples.append(measure_bandwidth())
+        for dtype, samples in flops_samples.items():
+            samples.append(measure_flops(getattr(torch, dtype)))
         try:
             if system.startswith("fivefold-"):
                 tok_s, nbytes, arithmetic = run_fivefold(system, workloads)
@@ -308,9 +311,11 @@ def main() -> None:
             console.print(f"  skipped: {skipped[system]}")
             continue
         measured.append((system, tok_s, nbytes, arithmetic))
-    # This VM's copy bandwidth swings (23-50 GB/s from one minute to the next): the roof uses the
-    # median of a measurement before each system, and the JSON keeps every sample.
+    # This VM's copy bandwidth swings (23-50 GB/s from one minute to the next) and so does its GEMM
+    # rate (98-200 GFLOP/s float32 seen): each roof uses the median of a measurement before each
+    # system, and the JSON keeps every sample.
     bandwidth = statistics.median(bandwidth_samples)
+    peaks = MachinePeaks(bandwidth, {dtype: statistics.median(samples) for dtype, samples in flops_samples.items()})
     for system, tok_s, nbytes, arithmetic in measured:
         bandwidth_roof = bandwidth / nbytes
         # new tokens/s at the GEMM peak, with the prompts' work (compute_roof) and without it
@@ -349,6 +354,8 @@ def main() -> None:
     print(json_line({"benchmark": "peers", "machine": plat.isa_level, "bandwidth_GB_s": round(bandwidth / 1e9, 2),
                      "bandwidth_samples_GB_s": [round(b / 1e9, 1) for b in bandwidth_samples],
                      "peak_GFLOP_s": {k: round(v / 1e9, 1) for k, v in peaks.flops.items()},
+                     "peak_GFLOP_s_samples": {k: [round(v / 1e9, 1) for v in samples]
+                                              for k, samples in flops_samples.items()},
                      "workloads": {k: {"prompts": n, "new_tokens": t} for k, (n, t) in WORKLOADS.items()},
                      "results": rows, "skipped": skipped}))
 
