@@ -104,7 +104,9 @@ def test_linear_batchnorm1d_folds_and_parallel_linears_merge():
     model = Net().eval()
     with torch.no_grad():
         _randomise_batchnorm_(model, 2)
-    fused, report = _check_equal(model, (torch.randn(5, 8),))
+    # Alignment off: it keeps or swaps a linear by timing it (packed, padded), so which module types
+    # remain would depend on the machine's load; this test is about the fold and the merge.
+    fused, report = _check_equal(model, (torch.randn(5, 8),), FuseConfig(align_linears=False))
     assert report.num_folded_batchnorms == 1 and report.num_merged_linear_groups == 1
     linears = [m for m in fused.modules() if isinstance(m, nn.Linear)]
     assert sorted(m.out_features for m in linears) == [16, 24]
