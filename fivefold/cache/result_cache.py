@@ -2,7 +2,8 @@
 
 Key: SHA-256 of (model fingerprint, prompt-template version, canonical request),
 where the canonical request is the JSON of the prompt or messages and every
-sampling parameter, with sorted keys. Only deterministic requests are cacheable
+sampling parameter, fields in name order, nested objects in the order
+sent (a schema's property order changes the output), logit_bias sorted. Only deterministic requests are cacheable
 (temperature 0, or a fixed seed). LRU, bounded by entries and by bytes.
 Changing the version (``set_version``) purges every entry of other versions.
 
@@ -33,6 +34,15 @@ class ResultCacheStats:
     purged: int = 0
 
 
+ORDERLESS_FIELDS = ("logit_bias",)  # mappings whose key order cannot change an answer
+
+
+def canonical_request(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with the order-free mappings sorted, everything else (schemas, tools, messages) as sent."""
+    return {name: dict(sorted(value.items())) if name in ORDERLESS_FIELDS and isinstance(value, dict) else value
+            for name, value in fields.items()}
+
+
 def is_cacheable(request: dict[str, Any]) -> bool:
     """Deterministic requests only: greedy, or sampled with a fixed seed."""
     return request.get("temperature", 1.0) == 0 or request.get("seed") is not None
@@ -59,8 +69,16 @@ class ResultCache:
 
     @staticmethod
     def make_key(model_fingerprint: str, version: str, request: dict[str, Any]) -> str:
-        canonical = json.dumps([model_fingerprint, version, request], sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        """The key of ``request``: its top-level fields in name order, every nested value as given.
+
+        Nested keys are NOT sorted: the order of a JSON schema's properties is the order the
+        grammar writes them, a tool's parameters are rendered into the prompt in their order;
+        two requests that differ only there get different answers, so they get different keys.
+        Nested mappings whose order cannot change the output (logit_bias) are sorted by the
+        caller, :func:`canonical_request`."""
+        fields = dict(sorted(request.items()))
+        canonical = json.dumps([model_fingerprint, version, fields], separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
     async def set_version(self, version: str) -> int:
         """Make ``version`` current and purge every entry of another version; return how many."""

@@ -44,6 +44,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto: keys and values in the model's dtype (default); int8: per-row int8 with a "
                         "float32 scale, ~3.8x the tokens per byte at head_dim 64 (float32 model)")
+    p.add_argument("--grammar-budget", type=float, default=5.0,
+                   help="seconds of grammar work (compile and token masks) one structured-output request may "
+                        "use before it ends with an error naming the budget (default 5)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -74,7 +77,8 @@ def engine_options(args) -> dict:
                 prefill_attention=args.prefill_attention, decode_loop=args.decode_loop,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                draft_model=args.draft_model, kv_cache_dtype=args.kv_cache_dtype)
+                draft_model=args.draft_model, kv_cache_dtype=args.kv_cache_dtype,
+                grammar_budget_s=args.grammar_budget)
 
 
 def llm(args):

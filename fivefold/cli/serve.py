@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     common.add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-queued-requests", type=int, default=None, help="beyond it: 429 with Retry-After")
@@ -144,8 +144,10 @@ def _serve_replicas(args, spec) -> int:
 def run(args) -> int:
     from fivefold.batching.encoder import is_encoder_dir
     from fivefold.models.registry import resolve_model_path
-    from fivefold.serve.app import create_llm_server
+    from fivefold.serve.app import check_key, create_llm_server
 
+    check_key("--api-key", args.api_key)  # before the model loads: a one-line error, not a login for anyone
+    check_key("--admin-key (FIVEFOLD_ADMIN_KEY)", args.admin_key)
     path = resolve_model_path(args.model)
     if is_encoder_dir(path):
         if args.replicas is not None:

@@ -74,6 +74,9 @@ class EngineConfig:
     one target pass (fivefold.engine.speculative). prompt_lookup_min / prompt_lookup_max: the
     n-gram lengths the prompt-lookup proposer matches, longest first. draft_model: a model
     name or path with the target's tokenizer, e.g. the student ``fivefold distill`` writes.
+    grammar_budget_s: the grammar work (compile and token masks, CPU seconds in the grammar threads,
+    or wall seconds of one unfinished piece) one structured-output request may use; past it the
+    request ends with finish_reason "error" naming the budget (fivefold.engine.structured_output).
     kv_cache_dtype: "auto" stores keys and values in the model's dtype; "int8" stores each
     (token, KV head) row as head_dim int8 values and its float32 scale (symmetric, per row;
     fivefold.models.kv_quant), head_dim + 4 bytes instead of 4 * head_dim for a float32 model:
@@ -102,6 +105,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     kv_cache_dtype: str = "auto"
+    grammar_budget_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -147,6 +151,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise FivefoldError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                 f"got '{self.kv_cache_dtype}'")
+        if not 0 < self.grammar_budget_s <= 3600:
+            raise FivefoldError(f"grammar_budget_s must be in (0, 3600] seconds, got {self.grammar_budget_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise FivefoldError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

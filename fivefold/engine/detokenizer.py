@@ -4,7 +4,8 @@ Decoding one token at a time is wrong for byte-level BPE (a character can span
 tokens) and for SentencePiece (a leading space depends on the previous token).
 So each step decodes a short window that starts a few tokens back, and emits the
 text beyond what the same window decoded before; a window ending in an incomplete
-UTF-8 sequence (U+FFFD) emits nothing until it completes.
+UTF-8 sequence (U+FFFD) emits nothing until it completes, or until MAX_PENDING_TOKENS
+tokens show that it never will.
 
 The window starts in the prompt's last tokens (as vLLM's does): the first generated
 token is decoded after its real predecessor, so a SentencePiece model's leading space
@@ -18,6 +19,12 @@ from fivefold.models.tokenizer import Tokenizer
 
 
 PROMPT_CONTEXT = 5  # prompt tokens the first window starts with
+# A character is at most 4 UTF-8 bytes, so at most 3 of them wait for the rest; a window that
+# still ends in U+FFFD after this many new tokens holds bytes that will never form a character
+# (a model writing lone continuation bytes): its text, replacement characters included, is
+# emitted as transformers' decode renders it, and the window moves on. Without this bound the
+# window grew with every token (quadratic time) and the text was never emitted.
+MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -36,8 +43,10 @@ class IncrementalDetokenizer:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = decode(self.token_ids[self.prefix_offset:])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if len(full_text) <= len(prefix_text):
             return ""
+        if full_text.endswith("\ufffd") and len(self.token_ids) - self.read_offset <= MAX_PENDING_TOKENS:
+            return ""  # an incomplete character: its next byte may come with the next token
         delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)

@@ -19,6 +19,7 @@ from fivefold.engine.outputs import CompletionOutput, RequestOutput
 from fivefold.engine.sampler import Sampler
 from fivefold.engine.scheduler import Scheduler
 from fivefold.engine.sequence import Sequence
+from fivefold.engine.stop_strings import StopStringTracker, stop_prefix_len  # noqa: F401 (re-exported)
 from fivefold.engine.speculative import SpeculativeStats, can_speculate, make_proposer, num_proposals_allowed, verify
 from fivefold.engine.structured_output import GrammarCompiler
 from fivefold.errors import InvalidRequestError
@@ -26,20 +27,10 @@ from fivefold.models.loader import LoadedModel
 from fivefold.sampling_params import SamplingParams
 
 
-def stop_prefix_len(text: str, stops: list[str] | tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops`` (0 if none)."""
-    if not text:
-        return 0
-    longest = 0
-    for stop in stops:
-        # A candidate prefix must end with text's last character: walk those ends from the longest down.
-        end = stop.rfind(text[-1], 0, len(stop) - 1)
-        while end >= longest:
-            if text.endswith(stop[: end + 1]):
-                longest = end + 1
-                break
-            end = stop.rfind(text[-1], 0, end)
-    return longest
+# How long a step waits, in all, for grammar masks still being computed before it leaves their
+# sequences out: ordinary masks take 0.1-2 ms, so they make the step; a costly grammar does not hold
+# the other requests back by more than this.
+GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
@@ -47,6 +38,7 @@ class _RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     prompt: str | None
+    stops: StopStringTracker
     text: str = ""
     num_emitted_chars: int = 0
 
@@ -91,9 +83,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         seq = Sequence(request_id, token_ids, params)
         if params.structured_outputs is not None:
-            seq.grammar = self.grammar_compiler.compile(params.structured_outputs)
+            seq.grammar = self.grammar_compiler.compile(params.structured_outputs, self.config.grammar_budget_s)
+            seq.grammar.start()
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, token_ids)
-        self.requests[request_id] = _RequestState(seq, detokenizer, text)
+        self.requests[request_id] = _RequestState(seq, detokenizer, text, StopStringTracker(params.stop))
         self.scheduler.add(seq)
         return request_id
 
@@ -183,11 +176,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every sequence that got tokens."""
+        settled = self._settle_grammars()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return settled
         result = self.runner.execute(batch.scheduled)
         for request_id, (start, entries) in result.prompt_logprobs.items():
             seq = self.requests[request_id].seq
@@ -198,11 +192,11 @@ class LLMEngine:
                                                 "top": top})
         self.scheduler.commit_computed(batch)
         if not result.sampling:
-            return []
+            return settled
         with torch.profiler.record_function("fivefold::sampling"):  # named so the profiler can attribute it
             new_tokens = self._sample(result.logits, result.sampling)
         now = time.monotonic()
-        outputs = []
+        outputs = settled
         for seq, (token_ids, logprobs) in zip(result.sampling, new_tokens):
             state = self.requests[seq.request_id]
             if seq.spec_token_ids:
@@ -265,12 +259,34 @@ class LLMEngine:
         seq.token_ids.append(token_id)
         if logprob is not None:
             seq.logprobs.append({"token_id": token_id, "logprob": logprob[0], "top": logprob[1]})
-        state.text += state.detokenizer.add([token_id])
-        if seq.grammar is not None:
-            seq.grammar.advance(token_id)
+        delta = state.detokenizer.add([token_id])
+        state.text += delta
+        if seq.params.stop:
+            state.stops.feed(delta)
         self._check_stop(state, token_id)
-        if not seq.is_finished and seq.grammar is not None and seq.grammar.is_complete:
-            seq.finish("stop", token_id)  # the grammar is complete (its EOS even with ignore_eos)
+        if not seq.is_finished and seq.grammar is not None:
+            seq.grammar.advance(token_id)  # in the background: the sequence sits out steps until it is done
+
+    def _settle_grammars(self) -> list[RequestOutput]:
+        """Before scheduling: wait a little (GRAMMAR_WAIT_S in all) for the grammar work in flight, then
+        finish the requests whose grammar is complete (its EOS, even with ignore_eos) or failed; their
+        outputs. A grammar still working is left to a later step."""
+        outputs = []
+        deadline = time.monotonic() + GRAMMAR_WAIT_S
+        for state in [s for s in self.requests.values() if s.seq.grammar is not None]:
+            seq, grammar = state.seq, state.seq.grammar
+            grammar.wait(deadline - time.monotonic())
+            if grammar.error is not None:
+                seq.finish("error", grammar.error)
+            elif grammar.is_complete and seq.num_output_tokens:
+                seq.finish("stop", seq.token_ids[-1])
+            else:
+                continue
+            seq.metrics.finished_time = time.monotonic()
+            self._finish(seq)
+            del self.requests[seq.request_id]
+            outputs.append(self._output(state, []))
+        return outputs
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -300,8 +316,7 @@ class LLMEngine:
         seq = state.seq
         # Until the request finishes, a tail that could still grow into a stop string is held back, so a
         # streaming client never receives text that the final answer cuts (vLLM holds back the same way).
-        num_visible = len(state.text) if seq.is_finished else len(state.text) - stop_prefix_len(
-            state.text, seq.params.stop)
+        num_visible = len(state.text) if seq.is_finished else len(state.text) - state.stops.holdback
         num_visible = max(num_visible, state.num_emitted_chars)
         delta = state.text[state.num_emitted_chars:num_visible]
         state.num_emitted_chars = num_visible

@@ -60,6 +60,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not seq.is_ready:  # its grammar is still computing the next mask: it sits this step out
+                i += 1
+                continue
             num_new = min(seq.num_scheduled_tokens_wanted, budget)
             del seq.spec_token_ids[max(0, num_new - seq.num_uncomputed_tokens):]  # proposals past the budget
             self.preallocation.on_step(seq, num_new - len(seq.spec_token_ids))
@@ -86,6 +89,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not seq.is_ready:
+                continue
             if seq.num_reserved_tokens == 0 or seq.num_preemptions:
                 seq.num_reserved_tokens = self.preallocation.reservation(seq)
             computed = self.kv_cache.get_computed_blocks(seq)

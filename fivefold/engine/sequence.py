@@ -61,7 +61,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (stop_reason: the message)
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     num_published_blocks: int = 0  # full blocks already inserted into the prefix cache
@@ -116,6 +116,11 @@ class Sequence:
     def num_scheduled_tokens_wanted(self) -> int:
         """Tokens a step would compute for this sequence: the uncomputed ones plus the proposals."""
         return self.num_uncomputed_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the sequence can run a step: no grammar, or its next mask is computed."""
+        return self.grammar is None or self.grammar.has_mask
 
     @property
     def is_finished(self) -> bool:

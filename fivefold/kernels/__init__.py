@@ -25,6 +25,7 @@ their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
@@ -58,20 +59,75 @@ def _load(name: str) -> object | None:
 
         build_dir = kernel_build_root() / build_dir_name(name)
         build_dir.mkdir(parents=True, exist_ok=True)
-        load_inline(
-            name=f"fivefold_{name}",
-            cpp_sources=[(_SOURCES / f"{name}.cpp").read_text()],
-            extra_cflags=["-O3", *current_platform().compile_flags, "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_SOURCES)],  # the shared headers (simd.h)
-            build_directory=str(build_dir),
-            is_python_module=False,  # the library registers its ops with the dispatcher when loaded
-        )
+        with build_lock(build_dir, name):
+            _copy_headers(build_dir)
+            load_inline(
+                name=f"fivefold_{name}",
+                cpp_sources=[(_SOURCES / f"{name}.cpp").read_text()],
+                extra_cflags=["-O3", *current_platform().compile_flags, "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                # The shared headers (simd.h), copied beside the build: an include path into this
+                # checkout would make every checkout's build.ninja differ, and ninja would rebuild
+                # whenever two checkouts of the same sources took turns with one cache.
+                extra_include_paths=[str(build_dir)],
+                build_directory=str(build_dir),
+                is_python_module=False,  # the library registers its ops with the dispatcher when loaded
+            )
         _loaded[name] = torch.ops.fivefold
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
         _errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         warnings.warn(f"fivefold: kernel {name} unavailable, using the PyTorch path ({_errors[name]})")
     return _loaded.get(name)
+
+
+def _copy_headers(build_dir: Path) -> None:
+    """The shared headers into ``build_dir``, each written only when its content changed (a new
+    mtime alone would make ninja rebuild)."""
+    for header in _SOURCES.glob("*.h"):
+        target = build_dir / header.name
+        content = header.read_bytes()
+        if not target.exists() or target.read_bytes() != content:
+            target.write_bytes(content)
+
+
+TORCH_LOCK = "lock"  # the file torch.utils.cpp_extension creates while it builds, and waits on forever
+OUR_LOCK = "fivefold-build.lock"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, name: str):
+    """Hold the build directory for this process, around torch's own build.
+
+    torch marks a build with a ``lock`` file that it removes when done; a build killed midway
+    (Ctrl-C, a CI timeout, the OOM killer) leaves it behind and every later process waits on it
+    forever, silently. So every fivefold build first takes an ``flock`` on ``fivefold-build.lock``:
+    the kernel drops that lock when its holder dies, however it dies. Whoever holds it is the only
+    builder, so a torch ``lock`` found then is stale: it is removed, with one line saying so, and the
+    kernel is rebuilt."""
+    import fcntl
+    import sys
+
+    with open(build_dir / OUR_LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            print(f"fivefold: waiting for {holder} to finish building kernel {name} ({build_dir})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        stale = build_dir / TORCH_LOCK
+        if stale.exists():
+            print(f"fivefold: kernel {name}: removing the stale lock of an interrupted build ({stale}); rebuilding",
+                  file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_dir_name(name: str) -> str:

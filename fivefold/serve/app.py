@@ -12,6 +12,7 @@ of the wrong type; 429 past the queue limits; 503 after the queue timeout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fivefold.cache.result_cache import ResultCache, is_cacheable
+from fivefold.cache.result_cache import ResultCache, canonical_request, is_cacheable
 from fivefold.errors import (
     EngineDeadError,
     FivefoldError,
@@ -54,6 +55,14 @@ from fivefold.serve.tool_calls import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# The work one request may ask for in logprobs: choices x (echoed prompt tokens + max_tokens) x
+# (1 + logprobs), summed over its prompts. Each entry becomes Python objects and JSON (~100 bytes),
+# so this bounds a request's answer to ~100 MB; lm-eval-style scoring (64 prompts of 2k tokens,
+# echo, logprobs 1) needs a quarter of it.
+MAX_LOGPROB_ENTRIES = 1 << 20
+# Outputs (one per step that adds text) a streaming choice may have waiting for a client that
+# reads nothing, before its stream is aborted: memory per stream stays bounded.
+MAX_STREAM_BACKLOG = 1024
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,8 @@ def add_prompt_version_admin(app: FastAPI, admin_key: str | None, current, chang
     extra fields of the reply (e.g. how many entries were purged)."""
     import hmac
 
+    check_key("--admin-key (FIVEFOLD_ADMIN_KEY)", admin_key)
+
     def authorize(request: Request) -> None:
         if admin_key is None:
             raise APIError(403, "admin endpoints are disabled: start the server with --admin-key "
@@ -174,11 +185,39 @@ def add_prompt_version_admin(app: FastAPI, admin_key: str | None, current, chang
         return {"object": "prompt_version", "version": current()}
 
     @app.post("/admin/prompt-version")
-    async def set_prompt_version(request: Request, body: PromptVersionRequest):
-        authorize(request)
+    async def set_prompt_version(request: Request):
+        authorize(request)  # before the body is even read: no validation message for the unauthorized
+        from pydantic import ValidationError
+
+        try:
+            body = PromptVersionRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            if first.get("type") == "json_invalid":
+                raise APIError(400, "malformed JSON body") from None
+            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+            raise APIError(422, f"{where}: {first.get('msg', 'invalid')}", where) from None
         previous, version = current(), check_label("version", body.version)
         extra = await change(version)
         return {"object": "prompt_version", "version": version, "previous": previous, **extra}
+
+
+def check_key(what: str, key: str | None) -> None:
+    """Refuse an empty (or blank) key: with one, 'Authorization: Bearer ' would be a valid login."""
+    if key is not None and not key.strip():
+        raise FivefoldError(f"{what} is empty: give a non-empty key, or leave it out to disable it")
+
+
+# Routes any client may call without the API key: liveness, metrics (as vLLM) and the version.
+# /admin/* has its own key. Everything else (/v1/*, /tokenize, /detokenize, ...) needs the API key.
+PUBLIC_PATHS = ("/health", "/metrics", "/version")
+
+
+def is_authorized(headers: dict, api_key: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer API_KEY`` (compared in constant time)."""
+    import hmac
+
+    return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {api_key}".encode())
 
 
 def replica_unavailable_response(exc: ReplicaUnavailableError) -> JSONResponse:
@@ -216,6 +255,7 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
     and ``/v1/models``. The LLM and the embeddings apps add their endpoints to it; the
     replicated front (cluster.py) also passes ``is_healthy`` (``/health`` answers 503 when
     it is false) and a ``lifespan`` for its background work."""
+    check_key("--api-key", api_key)
     app = FastAPI(title="Fivefold", version="0.1.0", lifespan=lifespan)
 
     # A pure ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) wraps the
@@ -233,8 +273,8 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
                     refusal = error_response(413, f"request body is {length} bytes; the limit is {max_body_bytes} bytes")
                 elif b"x-prompt-version" in headers:
                     refusal = error_response(400, PROMPT_VERSION_REFUSAL, param="X-Prompt-Version")
-                elif api_key is not None and scope["path"].startswith("/v1/") and \
-                        headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
+                elif api_key is not None and scope["path"] not in PUBLIC_PATHS and \
+                        not scope["path"].startswith("/admin/") and not is_authorized(headers, api_key):
                     refusal = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
                                              error_type="authentication_error")
                 if refusal is None and not length.isdigit() and scope.get("method") in ("POST", "PUT", "PATCH"):
@@ -256,6 +296,27 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
             return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'parse error')}")
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(422, f"{loc or 'body'}: {first.get('msg', 'invalid')}", param=loc or None)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):  # 404 and 405 of the router, too
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_, exc: Exception):
+        if isinstance(exc, RecursionError):  # json.loads of a body nested thousands deep
+            return error_response(400, "malformed JSON body: nested too deeply")
+        return error_response(500, f"internal error: {type(exc).__name__}", error_type="internal_error")
 
     @app.exception_handler(APIError)
     async def on_api_error(_, exc: APIError):
@@ -365,6 +426,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs_of(req, forced),
         )
 
+    def check_work(prompts: list[list[int]], params: SamplingParams) -> None:
+        """400 when answering would take more than MAX_LOGPROB_ENTRIES logprob entries (see there)."""
+        per_token = 0 if params.logprobs is None else 1 + params.logprobs
+        per_prompt_token = 0 if params.prompt_logprobs is None else 1 + params.prompt_logprobs
+        if not per_token and not per_prompt_token:
+            return
+        entries = params.n * sum(len(ids) * per_prompt_token + params.max_tokens * per_token for ids in prompts)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"this request asks for {entries} logprob entries (choices x (echoed prompt tokens + "
+                                f"max_tokens) x (1 + logprobs), over every prompt); the limit is "
+                                f"{MAX_LOGPROB_ENTRIES}: lower n, logprobs, max_tokens or the number of prompts",
+                           "logprobs", "request_too_large")
+
     def check_request(req) -> None:
         """400 for a field this server does not implement (named), 404 for another model."""
         check_model(req.model, model_name)
@@ -420,7 +494,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]}
                              for e in entries],
-            "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else [],
         }
 
     def chat_logprobs(entries):
@@ -433,21 +507,32 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             content.append({"token": text, "logprob": e["logprob"], "bytes": list(text.encode()), "top_logprobs": top})
         return {"content": content}
 
-    async def start_stream(prompts, params, base_id):
+    async def start_stream(request: Request, prompts, params, base_id):
         """Start every choice and wait for the first output, so that a refusal or a queue
-        timeout still gets its HTTP status instead of an error inside a 200 stream."""
+        timeout still gets its HTTP status instead of an error inside a 200 stream. A client that
+        leaves before the first token aborts every choice; one that stops reading is cut off once
+        MAX_STREAM_BACKLOG outputs per choice wait for it (its choices are aborted)."""
         merged: asyncio.Queue = asyncio.Queue()
+        num_jobs = len(prompts) * params.n
 
         async def pump(k: int, request_id: str, ids, choice_params):
             try:
                 async for out in engine.add_request(request_id, ids, choice_params):
-                    await merged.put((k, out))
+                    if merged.qsize() >= MAX_STREAM_BACKLOG * num_jobs:  # leaving the loop aborts the request
+                        raise OverloadedError(f"the client read none of the last {MAX_STREAM_BACKLOG} outputs "
+                                              "of a choice: its stream was aborted")
+                    merged.put_nowait((k, out))
             except Exception as exc:
-                await merged.put((k, exc))
-            await merged.put((k, None))
+                merged.put_nowait((k, exc))
+            merged.put_nowait((k, None))
 
         tasks = [asyncio.ensure_future(pump(*job)) for job in choice_jobs(prompts, params, base_id)]
-        first = await merged.get()
+        try:
+            first, = await await_unless_disconnected(request, [asyncio.ensure_future(merged.get())])
+        except BaseException:  # the client left (or this handler was cancelled): abort every choice
+            for t in tasks:
+                t.cancel()
+            raise
         if isinstance(first[1], Exception):
             for t in tasks:
                 t.cancel()
@@ -470,6 +555,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 elif isinstance(out, Exception):
                     error_type = "internal_error" if isinstance(out, EngineDeadError) else "server_error"
                     yield f"data: {json.dumps({'error': {'message': str(out), 'type': error_type}})}\n\n"
+                elif out.finished and out.outputs[0].finish_reason == "error":  # its grammar failed: not cached
+                    error = {"message": str(out.outputs[0].stop_reason), "type": "invalid_request_error",
+                             "param": None, "code": "grammar_error"}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
                 else:
                     if out.finished:
                         finals[k] = out
@@ -498,7 +587,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if behind_front and request.headers.get(FRONT_VERSION_HEADER):
             version = check_label("prompt version", request.headers[FRONT_VERSION_HEADER])
         await result_cache.set_version(version)  # a no-op unless the version changed
-        key = ResultCache.make_key(fingerprint, version, {"endpoint": endpoint, **fields})
+        key = ResultCache.make_key(fingerprint, version, {"endpoint": endpoint, **canonical_request(fields)})
         body = await result_cache.get(key)
         if engine.metrics is not None:
             (engine.metrics.result_cache_hits if body is not None else engine.metrics.result_cache_misses).inc()
@@ -526,12 +615,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def fresh_ids(body: dict, prefix: str) -> dict:
         return body | {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time())}
 
-    def prepare(prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
+    async def prepare(prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
         for p, ids in enumerate(prompts):
             if not ids:
                 where = "" if len(prompts) == 1 else f" (prompt {p})"
                 raise APIError(400, f"the prompt is empty{where}; at least one token is required", "prompt")
-            engine.validate(ids, params)
+        check_work(prompts, params)
+
+        def validate_all() -> None:
+            for ids in prompts:
+                engine.validate(ids, params)
+
+        await asyncio.to_thread(validate_all)  # a grammar's check can take a while: off the event loop
         reserved: list[str] = []
         try:
             for p, ids in enumerate(prompts):
@@ -565,12 +660,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                          media_type="text/event-stream", headers=headers)
             return JSONResponse(body, headers=headers)
         base_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        prepare(prompts, params, base_id)
+        await prepare(prompts, params, base_id)
 
         async def body_from(outs) -> dict:
+            # Detokenizing logprobs of thousands of tokens takes a while: off the event loop.
+            choices = await asyncio.to_thread(lambda: [{"index": k, **choice_of(o, k)} for k, o in enumerate(outs)])
             body = {"id": base_id, "object": object_name, "created": created, "model": model_name,
-                    "choices": [{"index": k, **choice_of(o, k)} for k, o in enumerate(outs)],
-                    "usage": usage_of(outs)}
+                    "choices": choices, "usage": usage_of(outs)}
             if key is not None:
                 await result_cache.put(key, body)
             return body
@@ -593,13 +689,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                                      "logprobs": None, "finish_reason": None}]}
 
         if req.stream:
-            started = await start_stream(prompts, params, base_id)
+            started = await start_stream(request, prompts, params, base_id)
             first_chunks = (role_chunk,) if kind == "chat" else ()
             return StreamingResponse(stream_choices(started, len(prompts) * params.n, chunk, usage_of, include,
                                                     first_chunks, on_complete=body_from),
                                      media_type="text/event-stream", headers=headers)
         outs = await run_choices(request, prompts, params, base_id)
-        return JSONResponse(await body_from(outs), headers=headers)
+        failed = next((o for o in outs if o.outputs[0].finish_reason == "error"), None)
+        if failed is not None:  # one choice's grammar failed: the request fails, nothing is cached
+            raise APIError(400, str(failed.outputs[0].stop_reason), None, "grammar_error")
+        body = await body_from(outs)
+        return await asyncio.to_thread(JSONResponse, body, headers=headers)  # rendering a large body, too
 
     def new_entries(out) -> list[dict] | None:
         """Logprob entries of the tokens this output added."""
@@ -610,6 +710,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """(token ids, text) of each prompt of a completions request (one, or a batch)."""
         vocab_size = engine.engine.loaded.config.vocab_size
         given = req.prompt
+        if isinstance(given, list) and not given:  # [] would be a batch of no prompts: an answer with no choices
+            raise APIError(400, "prompt is an empty list; give a prompt (text or token ids) or a batch of them",
+                           "prompt")
         if isinstance(given, str) or (given and isinstance(given[0], int)):
             given = [given]
         prompts, texts = [], []
@@ -630,7 +733,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_request(req)
-        prompts, texts = completion_prompts(req)
+        prompts, texts = await asyncio.to_thread(completion_prompts, req)  # a large prompt: off the event loop
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         # echo with max_tokens 0 scores the prompt: one token is run (the engine always samples
         # one) and dropped from the answer, which holds the prompt and its logprobs only.
@@ -682,7 +785,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             one = {"role": m.role, "content": text or ""}  # templates test content, or print None
             one |= {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None}
             if m.tool_calls:
-                one["tool_calls"] = [template_tool_call(c) for c in m.tool_calls]
+                one["tool_calls"] = [template_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
             rendered.append(one)
         return rendered
 
@@ -695,8 +799,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         asked = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
         choice = check_tool_request(tools, asked, tokenizer.hf.chat_template)
         calls_tools = choice != "none"
-        prompt_ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True,
-                                                   tools=tools if calls_tools else None)
+        prompt_ids = await asyncio.to_thread(lambda: tokenizer.apply_chat_template(
+            chat_messages(req), add_generation_prompt=True, tools=tools if calls_tools else None))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.engine.max_model_len - len(prompt_ids))
@@ -735,19 +839,27 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        """vLLM's shape: {"count", "max_model_len", "tokens", "token_strs"}."""
+        """vLLM's shape: {"count", "max_model_len", "tokens", "token_strs"}. Behind the API key, and held
+        to the limits of a request: a prompt longer than the context is refused (400)."""
         check_model(req.model, model_name)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
-        if req.prompt is not None:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        elif req.add_special_tokens:
+        if req.prompt is None and req.add_special_tokens:
             raise APIError(400, "add_special_tokens applies to a prompt: the chat template writes the special "
                                 "tokens of messages itself", "add_special_tokens")
-        else:
-            ids = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt)
-        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids,
-                "token_strs": [token_text(t) for t in ids] if req.return_token_strs else None}
+
+        def token_ids() -> list[int]:
+            if req.prompt is not None:
+                return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            return tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+
+        ids = await asyncio.to_thread(token_ids)
+        max_model_len = engine.engine.max_model_len
+        if len(ids) > max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; the maximum context length is {max_model_len}",
+                           "prompt" if req.prompt is not None else "messages")
+        strs = await asyncio.to_thread(lambda: [token_text(t) for t in ids]) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -756,7 +868,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        if len(req.tokens) > engine.engine.max_model_len:
+            raise APIError(400, f"{len(req.tokens)} tokens; the maximum context length is {engine.engine.max_model_len}",
+                           "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     return app
 

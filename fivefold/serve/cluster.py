@@ -432,7 +432,10 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
 
     async def forward(request: Request):
         body = await request.body()
-        prompt_ids = routing_prompt_ids(tokenizer, request.url.path, body) if replicas.needs_prompt_ids else []
+        # Tokenizing a large prompt takes a while: off the event loop, so /health and the other requests
+        # keep their answers coming meanwhile.
+        prompt_ids = await asyncio.to_thread(routing_prompt_ids, tokenizer, request.url.path, body) \
+            if replicas.needs_prompt_ids else []
         replica_id = replicas.choose(prompt_ids)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {FRONT_VERSION_HEADER}]

@@ -301,4 +301,14 @@ def structured_outputs_of(req, forced: tuple[str, StructuredOutputs] | None = No
             raise InvalidRequestError(f"structured_outputs: {exc}") from None
     if len(asked) > 1:
         raise InvalidRequestError(f"ask for one output constraint, not {len(asked)}: {[name for name, _ in asked]}")
-    return asked[0][1] if asked else None
+    if not asked:
+        return None
+    name, spec = asked[0]
+    if spec.json is not None:  # a scalar, an array or a schema nested too deep: refused here, naming the field
+        from fivefold.engine.structured_output import json_schema_text
+
+        try:
+            json_schema_text(spec.json)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{name}: {exc}") from None
+    return spec

@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from fivefold.engine.llm_engine import stop_prefix_len
+from fivefold.engine.stop_strings import stop_prefix_len
 from fivefold.errors import InvalidRequestError
 from fivefold.sampling_params import StructuredOutputs
 
@@ -143,10 +143,15 @@ def forced_call_grammar(tools: list[dict], tool_choice, parallel: bool) -> Struc
     return StructuredOutputs(grammar=lark)
 
 
-def template_tool_call(call: dict) -> dict:
+def template_tool_call(call: dict, where: str = "tool_calls[0]") -> dict:
     """An assistant turn's tool call as chat templates take it: OpenAI sends ``arguments`` as JSON
-    text, templates (Qwen's among them) expect a mapping, so valid JSON is parsed (vLLM does too)."""
-    function = dict(call.get("function") or {})
+    text, templates (Qwen's among them) expect a mapping, so valid JSON is parsed (vLLM does too).
+    InvalidRequestError naming ``where`` when ``function`` is not an object with a string name."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"{where}.function must be an object {{'name': str, 'arguments': str}}, got "
+                                  f"{json.dumps(function)[:60]}")
+    function = dict(function)
     if isinstance(function.get("arguments"), str):
         try:
             function["arguments"] = json.loads(function["arguments"])

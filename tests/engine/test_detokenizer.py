@@ -32,3 +32,21 @@ def test_streamed_text_keeps_the_first_tokens_leading_space_and_equals_the_whole
     # Without the prompt's context (as before) the first token loses its space.
     without = "".join(IncrementalDetokenizer(tokenizer).add([t]) for t in output)
     assert not without.startswith(" ") and without != streamed
+
+
+def test_lone_bytes_are_emitted_as_replacement_characters_not_held_forever(smollm2):
+    """A model made to write one lone byte token again and again (logit_bias +100): every decode
+    of the window ends in U+FFFD. Before the bound the window grew with every token and no text was
+    ever emitted; now the text is the whole decode, but for the last few tokens still pending."""
+    from fivefold.llm import LLM
+    from fivefold.sampling_params import SamplingParams
+
+    hf = smollm2.tokenizer.hf
+    lone = next(t for t in range(0, 1000) if len(hf.convert_ids_to_tokens(t)) == 1
+                and hf.decode([t]) == "\ufffd" and hf.decode([t, t]) == "\ufffd\ufffd")
+    llm = LLM(smollm2, kv_cache_memory_bytes=16 << 20)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
+                                                 logit_bias={lone: 100.0}))[0].outputs[0]
+    assert out.token_ids == [lone] * 200
+    whole = hf.decode(out.token_ids)
+    assert whole.startswith(out.text) and len(out.text) >= len(whole) - 8, (len(out.text), len(whole))
