@@ -9,7 +9,8 @@ queue timeout. Traffic (seeded): completions and chat, streamed and not, greedy 
 stop strings, ``n=2`` now and then, prompts that share a long prefix (the prefix cache) and
 repeated greedy requests (the result cache). A quarter of the requests are aborted by their
 client (a stream closed after a few chunks, a plain request given up after 0.2-3 s), and 5%
-are hostile bodies. Every ``--fault-every`` seconds one fault, in turn: the server process
+are hostile: bad bodies, grammars that fail midway or cost seconds a token, malformed schemas,
+work multipliers (``--no-hostile``: none, the baseline for inter-token latency). Every ``--fault-every`` seconds one fault, in turn: the server process
 frozen (SIGSTOP) for 3 s; a burst of 40 requests past the queue limit (429s); 20 slow clients
 that open a connection, send half a request and hold it for 10 s.
 
@@ -56,6 +57,25 @@ HOSTILE = [
     {"prompt": [10**9]},
     {"messages": []},
 ]
+# Issue 34's hostile cases: grammars that fail midway or cost seconds a token (each ends at its
+# limit or its budget, alone), malformed constraints, and work multipliers (logprobs x n x prompts,
+# a prompt of ~600 KB to tokenize). Each must end as a 4xx naming its cause, nothing else slowed.
+AMBIGUOUS = ('start: s\ns: s s | "a" | "b" | ' + " | ".join(f"t{k}" for k in range(60)) + "\n"
+             + "".join(f"t{k}: s s\n" for k in range(60)))
+HOSTILE_GRAMMAR = [
+    {"prompt": "x", "max_tokens": 100, "guided_grammar": AMBIGUOUS, "logit_bias": {"64": -100, "65": -100}},
+    {"prompt": "x", "max_tokens": 400, "temperature": 1.0, "guided_grammar":
+        'start: s\ns: s s s | s s | "a" | "b" | "ab" | "ba"\n'},
+    {"prompt": "x", "max_tokens": 8, "guided_json": "5"},
+    {"prompt": "x", "max_tokens": 8, "guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}}}},
+    {"prompt": "x", "max_tokens": 8, "guided_grammar": "start: " + "(" * 400},
+]
+AMPLIFY = [
+    {"prompt": ["word " * 500] * 64, "echo": True, "logprobs": 20, "max_tokens": 0, "n": 16},
+    {"prompt": "word " * 120_000, "max_tokens": 4},
+    {"prompt": [], "max_tokens": 4, "stream": True},
+]
+HOSTILE = HOSTILE + HOSTILE_GRAMMAR + AMPLIFY
 
 
 def _serve_with_fault(trigger: str, argv: list[str]) -> int:
@@ -81,6 +101,7 @@ class Tally:
     failed_by_status: Counter = field(default_factory=Counter)
     lost_details: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
+    itls: list = field(default_factory=list)  # gaps between a normal stream's events (inter-token latency)
 
     def merge(self, other: Tally) -> None:
         self.sent += other.sent
@@ -88,6 +109,7 @@ class Tally:
         self.failed_by_status += other.failed_by_status
         self.lost_details += other.lost_details
         self.latencies += other.latencies
+        self.itls += other.itls
 
     def record(self, outcome: str, detail=None, latency: float | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -102,10 +124,10 @@ class Tally:
 class Traffic:
     """The seeded request mix (see the module doc)."""
 
-    def __init__(self, model: str, seed: int) -> None:
+    def __init__(self, model: str, seed: int, hostile_rate: float = HOSTILE_RATE) -> None:
         from pydoc_data.topics import topics
 
-        self.model = model
+        self.model, self.hostile_rate = model, hostile_rate
         self.texts = [t for t in topics.values() if len(t) > 600]
         rng = random.Random(seed)
         self.prefixes = [rng.choice(self.texts)[:700] for _ in range(3)]
@@ -114,7 +136,7 @@ class Traffic:
 
     def make(self, rng: random.Random) -> tuple[str, dict, bool, float | int | None, bool]:
         """(endpoint, body, stream, abort_after, is_hostile); abort_after: chunks when streaming, else seconds."""
-        if rng.random() < HOSTILE_RATE:
+        if rng.random() < self.hostile_rate:
             body = dict(rng.choice(HOSTILE), model=self.model)
             return ("chat/completions" if "messages" in body else "completions"), body, False, None, True
         if rng.random() < 0.1:  # the same greedy request again: the result cache answers it
@@ -156,7 +178,7 @@ def _error_of(text: str) -> str | None:
 
 
 async def one_request(client, url: str, endpoint: str, body: dict, stream: bool, abort_after, tally: Tally,
-                      timeout: float, headers: dict | None = None) -> str:
+                      timeout: float, headers: dict | None = None, is_hostile: bool = False) -> str:
     """Send one request and record how it ended; return the outcome (``failed 429``: over the queue limit)."""
     import httpx
 
@@ -165,7 +187,7 @@ async def one_request(client, url: str, endpoint: str, body: dict, stream: bool,
     target = f"{url}/v1/{endpoint}"
 
     async def plain():
-        reply = await client.post(target, json=body | {"stream": False}, headers=headers)
+        reply = await client.post(target, json={"stream": False} | body, headers=headers)
         if reply.status_code == 200:
             choices = reply.json().get("choices", [])
             return ("finished", None) if len(choices) == body.get("n", 1) else ("lost", f"{len(choices)} choices")
@@ -176,10 +198,14 @@ async def one_request(client, url: str, endpoint: str, body: dict, stream: bool,
             if reply.status_code != 200:
                 text = (await reply.aread()).decode()
                 return ("failed", reply.status_code) if _error_of(text) else ("lost", f"{reply.status_code} no body")
-            num_chunks, error = 0, None
+            num_chunks, error, last = 0, None, None
             async for line in reply.aiter_lines():
                 if not line.startswith("data: "):
                     continue
+                now = time.monotonic()
+                if last is not None and not is_hostile:
+                    tally.itls.append(now - last)
+                last = now
                 if line == "data: [DONE]":
                     return ("failed", f"stream {error}") if error else ("finished", None)
                 event = json.loads(line[6:])
@@ -304,7 +330,7 @@ async def soak(args, proc, url: str, trigger: Path) -> dict:
 
     from fivefold.bench.report import latency_stats
 
-    traffic = Traffic(args.model, args.seed)
+    traffic = Traffic(args.model, args.seed, 0.0 if args.no_hostile else HOSTILE_RATE)
     tally = Tally()
     faults: list[str] = []
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
@@ -315,9 +341,9 @@ async def soak(args, proc, url: str, trigger: Path) -> dict:
         async def worker(index: int):
             rng = random.Random(args.seed * 1000 + index)
             while time.monotonic() < end:
-                endpoint, body, stream, abort_after, _ = traffic.make(rng)
+                endpoint, body, stream, abort_after, is_hostile = traffic.make(rng)
                 outcome = await one_request(client, url, endpoint, body, stream, abort_after, tally,
-                                            args.request_timeout)
+                                            args.request_timeout, is_hostile=is_hostile)
                 if outcome == "failed 429":
                     await asyncio.sleep(1.0)  # Retry-After, as a well-behaved client does
 
@@ -365,6 +391,9 @@ async def soak(args, proc, url: str, trigger: Path) -> dict:
             "result_cache_hits": values.get("fivefold:result_cache_hits_total"),
             "latency_p50_s": round(latency_stats(tally.latencies)["p50"], 3),
             "latency_p99_s": round(latency_stats(tally.latencies)["p99"], 3),
+            "itl_p50_ms": round(1000 * latency_stats(tally.itls)["p50"], 1) if tally.itls else None,
+            "itl_p99_ms": round(1000 * latency_stats(tally.itls)["p99"], 1) if tally.itls else None,
+            "alive_at_end": proc.poll() is None and (await client.get(url + "/health")).status_code == 200,
             "server_rss_mib_start": round(rss_start, 1), "server_rss_mib_end": round(rss_end, 1),
             "faults": faults,
         }
@@ -389,6 +418,8 @@ def main() -> int:
     ap.add_argument("--fault-every", type=float, default=45.0, help="seconds between injected faults")
     ap.add_argument("--request-timeout", type=float, default=180.0, help="a request unanswered this long is lost")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-hostile", action="store_true",
+                    help="no hostile requests: the baseline the hostile soak's inter-token latency is compared to")
     args = ap.parse_args()
     if not 0 < args.minutes <= 60:
         print(f"error: --minutes must be in (0, 60], got {args.minutes}", file=sys.stderr)
@@ -404,6 +435,7 @@ def main() -> int:
             figures = asyncio.run(soak(args, proc, url, trigger))
         server_log = log.read_text()
     ok = (figures["lost"] == 0 and figures["kv_blocks_leaked"] == 0 and figures["running_after"] == 0
+          and figures["alive_at_end"]
           and figures["fault_internal_error"] == figures["fault_requests"] and figures["fault_exit_code"] == 1)
     rows = [(k, str(v)) for k, v in figures.items() if k not in ("lost_details",)]
     console.print(results_table(f"soak: {args.minutes:g} min against fivefold serve ({args.model})", ("", "value"), rows))
