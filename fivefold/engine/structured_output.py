@@ -71,7 +71,6 @@ class Grammar:
         self._compiler, self._text, self.kind, self.budget_s = compiler, grammar_text, kind, budget_s
         self._matcher = None
         self._mask = compiler.allocate_mask(1)
-        self._lock = threading.Lock()
         self._done = threading.Event()
         self._done.set()
         self._started_at: float | None = None  # when the unfinished piece of work was submitted
