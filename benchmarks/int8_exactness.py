@@ -21,12 +21,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fivefold.quant.linear as int8_linear  # noqa: E402
+import fivefold.models.int8_linear as int8_linear  # noqa: E402
 from fivefold.bench.report import json_line, results_table  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
 from fivefold.quant.config import Int8Config  # noqa: E402
-from fivefold.quant.int8_backends import LIBRARY_KERNELS, w8a8_kernel  # noqa: E402
-from fivefold.quant.primitives import sqnr_db  # noqa: E402
+from fivefold.models.int8_backends import LIBRARY_KERNELS, w8a8_kernel  # noqa: E402
+from fivefold.models.int8_primitives import sqnr_db  # noqa: E402
 from fivefold.quant.quantize import quantize_  # noqa: E402
 
 CONFIGS = [Int8Config("w8a8", activation_granularity="per-tensor"),

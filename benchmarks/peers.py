@@ -95,7 +95,7 @@ def prompts_for(tokenizer, num: int) -> list[list[int]]:
 def load_fivefold(system: str):
     """The loaded model of a fivefold system; its weight bytes per token; its arithmetic's dtype."""
     from fivefold.quant.config import Int8Config
-    from fivefold.eval.language import llm_forward
+    from fivefold.models.forward import llm_forward
     from fivefold.quant.quantize import quantize_
 
     variant = system.removeprefix("fivefold-").removesuffix(KV8_SUFFIX)

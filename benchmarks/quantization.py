@@ -60,7 +60,7 @@ def llm_report(console, quick: bool) -> list[dict]:
     from fivefold.models import load_model
     from fivefold.models.registry import DEFAULT_LLM
     from fivefold.eval.text import text_windows
-    from fivefold.quant.job import QuantizeJob, build_quantized, evaluate
+    from fivefold.jobs.quantize import QuantizeJob, build_quantized, evaluate
 
     base_job = QuantizeJob(DEFAULT_LLM, Int8Config(), "/tmp/fivefold-quant-scan", num_eval=4 if quick else 8)
     loaded = load_model(DEFAULT_LLM)

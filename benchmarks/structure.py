@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line, results_table  # noqa: E402
-from fivefold.compress.digits_report import DigitsPlan, run_digits_report  # noqa: E402
-from fivefold.compress.pruning_sensitivity import scan_table  # noqa: E402
+from fivefold.jobs.digits_report import DigitsPlan, run_digits_report  # noqa: E402
+from fivefold.jobs.report import scan_table  # noqa: E402
 
 
 def digits(console) -> dict:
@@ -94,7 +94,7 @@ def main() -> None:
     if "sparse" in parts:
         out["sparse"] = sparse(console)
     if "llm" in parts:
-        from fivefold.compress.llm_report import run_llm_report
+        from fivefold.jobs.llm_report import run_llm_report
 
         out["llm"] = run_llm_report(heal_steps=args.heal_steps, console=console)
     print(json_line(out))

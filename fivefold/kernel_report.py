@@ -14,7 +14,7 @@ def kernel_choices() -> list[tuple[str, str]]:
     from fivefold.kernels import build_dir_name, decode_loop_ops, fused_ops, int8_ops, paged_attention_ops
     from fivefold.models.layers import PackedLinear, stream_max_rows
     from fivefold.platform import current_platform, openmp_runtimes
-    from fivefold.quant.int8_backends import LIBRARY_KERNELS, w8a8_kernel
+    from fivefold.models.int8_backends import LIBRARY_KERNELS, w8a8_kernel
 
     p = current_platform()
     def streamed(dtype) -> str:

@@ -39,26 +39,13 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        final: dict[str, RequestOutput] = {}
-        progress = None
-        if show_progress:
-            from rich.progress import Progress
+        if not show_progress:
+            return self.engine.run_to_completion(list(prompts), list(params))
+        from rich.progress import Progress
 
-            progress = Progress(transient=True)
-            task = progress.add_task("generating", total=len(ids))
-            progress.start()
-        try:
-            while self.engine.has_unfinished:
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        if progress:
-                            progress.advance(task)
-        finally:
-            if progress:
-                progress.stop()
-        return [final[i] for i in ids]
+        with Progress(transient=True) as progress:
+            task = progress.add_task("generating", total=len(prompts))
+            return self.engine.run_to_completion(list(prompts), list(params), lambda _: progress.advance(task))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation with the model's chat template and a generation prompt."""

@@ -143,7 +143,7 @@ def _structure_rows(epochs: int, console) -> list[LeverRow]:
     student distilled from it; batch-1 latency against the original (fivefold prune/distill)."""
     import torch
 
-    from fivefold.compress.digits_report import add_latencies, epoch_steps, measure, train_batches
+    from fivefold.jobs.digits_report import add_latencies, epoch_steps, measure, train_batches
     from fivefold.compress.distill import DistillConfig, distill
     from fivefold.compress.structured import prune_channels
     from fivefold.models.cnn import DigitsResNet
@@ -199,7 +199,7 @@ def _dynamic_batching_row(num_requests: int, console) -> LeverRow:
 def distilled_student(model: str, out_dir: Path, steps: int, console) -> Path:
     """The every-other-layer student of ``model`` that ``fivefold distill`` writes (``steps`` KD
     steps), under ``out_dir``; made once, reused while its report names the same job."""
-    from fivefold.compress.job import DistillJob, run_distill
+    from fivefold.jobs.compress import DistillJob, run_distill
 
     job = DistillJob(model, str(out_dir / f"student-{steps}"), steps=steps)
     report = Path(job.out_dir) / "report.json"
@@ -269,7 +269,7 @@ def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
     latency of the same module on the same input, timed back to back."""
     import torch
 
-    from fivefold.fuse.job import build_fusable
+    from fivefold.jobs.fuse import build_fusable
     from fivefold.fuse.graph_fuse import fuse
     from fivefold.fuse.layout import median_us
 

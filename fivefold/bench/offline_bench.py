@@ -60,24 +60,18 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
 
 def prepared_model(config: dict, loaded=None):
     """``loaded`` as ``config`` wants it: loaded if None, reloaded if it carries another
-    quantization (int8 cannot be undone), quantized if the config asks."""
+    quantization (int8 cannot be undone), quantized by the quantization recipe
+    (:func:`fivefold.jobs.quantize.quantize_loaded`) if the config asks."""
     from fivefold.models import load_model
 
     wanted = config.get("quantization")
-    current = getattr(loaded.model, "fivefold_quantization", None) if loaded is not None else None
-    if loaded is None or (current is not None and current != wanted):
+    if loaded is None or (loaded.quantization is not None and loaded.quantization != wanted):
         loaded = load_model(config["model"], config["dtype"])
-        current = None
-    if wanted is not None and current is None:
-        from fivefold.eval.language import llm_forward
-        from fivefold.eval.text import text_windows
+    if wanted is not None and loaded.quantization is None:
+        from fivefold.jobs.quantize import quantize_loaded
         from fivefold.quant.config import Int8Config
-        from fivefold.quant.quantize import quantize_
 
-        qconfig = Int8Config.from_dict(wanted)
-        data = text_windows(loaded.tokenizer, "calibration", 16, 256) if qconfig.uses_calibration else None
-        quantize_(loaded.model, qconfig, data, llm_forward, show_progress=False)
-        loaded.model.fivefold_quantization = wanted
+        quantize_loaded(loaded, Int8Config.from_dict(wanted), show_progress=False)
     return loaded
 
 

@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from fivefold.bench.registry import RunRegistry, machine_description
+from fivefold.jobs.report import results_table  # noqa: F401  (the benchmarks' table, one helper for all)
 from fivefold.models.fingerprint import model_fingerprint
 
 
@@ -72,15 +73,3 @@ def record_run(registry_path: str | None, name: str, config: dict[str, Any], met
     finally:
         registry.close()
     return run_id
-
-
-def results_table(title: str, columns: tuple[str, ...], rows: list[tuple]):
-    """A rich Table of right-aligned columns, one row per tuple of already formatted cells."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*row)
-    return table

@@ -8,7 +8,7 @@ sent (a schema's property order changes the output), logit_bias sorted. Only det
 Changing the version (``set_version``) purges every entry of other versions.
 
 The version is the operator's: ``fivefold serve --prompt-version`` at start, then
-``POST /admin/prompt-version`` behind the admin key (fivefold/serve/app.py); an ordinary
+``POST /admin/prompt-version`` behind the admin key (fivefold/serve/http_base.py); an ordinary
 request cannot set it, so no client can purge the cache for the others.
 
 Both backends (this in-process LRU and the Redis one, redis_cache.py) have one async

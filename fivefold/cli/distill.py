@@ -1,4 +1,4 @@
-"""``fivefold distill``: the distillation job (fivefold/compress/job.py)."""
+"""``fivefold distill``: the distillation job (fivefold/jobs/compress.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from fivefold.compress.job import DistillJob, run_distill
+    from fivefold.jobs.compress import DistillJob, run_distill
 
     if args.steps < 0 or args.num_eval < 1 or args.window < 2:
         raise FivefoldError("--steps must be >= 0, --num-eval >= 1 and --window >= 2")

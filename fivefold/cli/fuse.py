@@ -1,4 +1,4 @@
-"""``fivefold fuse``: the fusion job (fivefold/fuse/job.py)."""
+"""``fivefold fuse``: the fusion job (fivefold/jobs/fuse.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from fivefold.fuse.job import FuseJob, run_fuse
+    from fivefold.jobs.fuse import FuseJob, run_fuse
     from fivefold.fuse.graph_fuse import FuseConfig
 
     try:

@@ -1,4 +1,4 @@
-"""``fivefold prune``: the pruning job (fivefold/compress/job.py)."""
+"""``fivefold prune``: the pruning job (fivefold/jobs/compress.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from fivefold.compress.job import DIGITS, PruneJob, run_prune
+    from fivefold.jobs.compress import DIGITS, PruneJob, run_prune
 
     if min(args.finetune_epochs, args.num_calibration, args.num_eval, args.window, args.heal_steps,
            args.attention_groups) < 0 or min(args.num_calibration, args.num_eval, args.window) < 1:

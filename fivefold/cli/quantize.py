@@ -1,4 +1,4 @@
-"""``fivefold quantize``: the INT8 job (fivefold/quant/job.py)."""
+"""``fivefold quantize``: the INT8 job (fivefold/jobs/quantize.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _fraction(text: str, flag: str) -> float:
 
 def run(args) -> int:
     from fivefold.quant.config import Int8Config
-    from fivefold.quant.job import QuantizeJob, run_quantize
+    from fivefold.jobs.quantize import QuantizeJob, run_quantize
 
     if min(args.num_calibration, args.num_eval, args.window) < 1:
         raise FivefoldError("--num-calibration, --num-eval and --window must be >= 1")

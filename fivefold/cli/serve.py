@@ -97,16 +97,16 @@ def _serve_encoder(args, path) -> int:
         batcher.shutdown()
 
 
-def _server_spec(args):
-    from fivefold.serve.app import ServerSpec
+def _server_config(args):
+    from fivefold.serve.config import ServerConfig
 
-    return ServerSpec(model=args.model, served_model_name=args.served_model_name or args.model, dtype=args.dtype,
-                      engine_options=common.engine_options(args), max_queued_requests=args.max_queued_requests,
-                      max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout,
-                      result_cache=args.result_cache if args.result_cache_entries > 0 else None,
-                      result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
-                      prompt_version=args.prompt_version, cache_namespace=args.cache_namespace,
-                      redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes)
+    return ServerConfig(model=args.model, served_model_name=args.served_model_name or args.model, dtype=args.dtype,
+                        engine_options=common.engine_options(args), max_queued_requests=args.max_queued_requests,
+                        max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout,
+                        result_cache=args.result_cache if args.result_cache_entries > 0 else None,
+                        result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
+                        prompt_version=args.prompt_version, cache_namespace=args.cache_namespace,
+                        redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes)
 
 
 def _serve_replicas(args, spec) -> int:
@@ -144,7 +144,8 @@ def _serve_replicas(args, spec) -> int:
 def run(args) -> int:
     from fivefold.batching.encoder import is_encoder_dir
     from fivefold.models.registry import resolve_model_path
-    from fivefold.serve.app import check_key, create_llm_server
+    from fivefold.serve.app import create_llm_server
+    from fivefold.serve.http_base import check_key
 
     check_key("--api-key", args.api_key)  # before the model loads: a one-line error, not a login for anyone
     check_key("--admin-key (FIVEFOLD_ADMIN_KEY)", args.admin_key)
@@ -153,7 +154,7 @@ def run(args) -> int:
         if args.replicas is not None:
             raise FivefoldError("--replicas serves LLMs; an embeddings model is served by one process")
         return _serve_encoder(args, path)
-    spec = _server_spec(args)
+    spec = _server_config(args)
     if args.replicas is not None:
         return _serve_replicas(args, spec)
     engine, app = create_llm_server(spec, api_key=args.api_key, admin_key=args.admin_key)

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fivefold.compress.distill import every_other_layer
+from fivefold.compress.distill import every_other_layer, kd_loss, temperature_at
 from fivefold.errors import FivefoldError
-from fivefold.eval.language import prefill_logits
+from fivefold.models.forward import prefill_logits
 from fivefold.models.layers import linear_from
 
 LLM_IMPORTANCES = ("activation", "l2", "taylor")
@@ -79,7 +79,7 @@ def _next_token_grads(loaded, calibration: list[list[int]]) -> dict[str, torch.T
 
 def _mean_activations(loaded, calibration: list[list[int]]) -> list[torch.Tensor]:
     """Mean |silu(gate) x up| per MLP neuron of every layer over the calibration tokens."""
-    from fivefold.eval.language import sequence_logits
+    from fivefold.models.forward import sequence_logits
 
     sums = [torch.zeros(loaded.config.intermediate_size) for _ in loaded.model.layers]
     hooks = [layer.mlp.act.register_forward_hook(lambda m, inp, out, i=i: sums[i].add_(out.abs().sum(0)))
@@ -154,6 +154,32 @@ def prune_attention_groups_(loaded, num_groups: int):
         attn.qkv_proj = linear_from(qkv[rows], None if qkv_bias is None else qkv_bias[rows])
         attn.o_proj = linear_from(o[:, q_rows], o_bias)
     return _with_config(loaded, loaded.model, num_heads=keep_groups * group, num_kv_heads=keep_groups)
+
+
+def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: int, lr: float = 3e-5,
+             t_start: float = 2.0, t_end: float = 1.0, alpha: float = 1.0, log=None) -> None:
+    """``steps`` of token-level KD of the student towards the teacher on ``windows`` (in place).
+    ``alpha`` < 1 mixes in the next-token cross-entropy on the text itself."""
+    student = make_trainable_(student_loaded.model)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        ids = torch.tensor(windows[step % len(windows)])
+        with torch.inference_mode():
+            teacher_logits = prefill_logits(teacher_loaded.model, ids).clone()
+        t = temperature_at(step, steps, t_start, t_end, "cosine")
+        labels = ids[1:] if alpha < 1 else None
+        student_logits = prefill_logits(student, ids)
+        if labels is not None:
+            student_logits, teacher_logits = student_logits[:-1], teacher_logits[:-1]
+        loss = kd_loss(student_logits, teacher_logits, labels, t, alpha)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log is not None and (step % 10 == 0 or step == steps - 1):
+            log(f"  KD heal step {step + 1}/{steps}: T {t:.2f}, loss {loss.item():.4f}")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    student.set_fused_ops(True)
 
 
 def every_other_layer_student(loaded):

@@ -80,12 +80,3 @@ def ratios_for_flops_target(model: nn.Module, example_inputs: tuple, scan: dict,
 
 def save_pruning_scan(scan: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(scan, indent=2))
-
-
-def scan_table(scan: dict, title: str):
-    """The scan as a rich table: one row per group, one column per ratio (metric drop)."""
-    from fivefold.bench.report import results_table
-
-    return results_table(title, ("group", "channels", *(f"{r:.0%}" for r in scan["ratios"])),
-                         [(name, str(g["channels"]), *(f"{g['drops'][r]:+.2f}" for r in scan["ratios"]))
-                          for name, g in scan["groups"].items()])

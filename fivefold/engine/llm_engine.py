@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -69,15 +70,21 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        validated: bool = False,
     ) -> str:
         """Queue a request. ``prompt`` takes vLLM's forms: text, token ids, ``{"prompt": text}`` or
         ``{"prompt_token_ids": [...]}``. Raises InvalidRequestError if it is none of them, or can
-        never run."""
+        never run. ``validated``: the caller (the server's admission) already ran :meth:`validate`
+        and :meth:`check_prompt_ids` on these token ids with these params (n = 1), so they are
+        taken as given instead of checked twice."""
         params = params or SamplingParams()
-        if params.n != 1:
-            raise InvalidRequestError(f"n={params.n} is not supported by the engine; send n separate requests")
-        text, token_ids = self._prompt_tokens(prompt)
-        self.validate(len(token_ids), params)
+        if validated:
+            text, token_ids = None, list(prompt)
+        else:
+            if params.n != 1:
+                raise InvalidRequestError(f"n={params.n} is not supported by the engine; send n separate requests")
+            text, token_ids = self._prompt_tokens(prompt)
+            self.validate(len(token_ids), params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
@@ -109,11 +116,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"a prompt must be a str, a list of token ids, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; "
                 f"got {type(prompt).__name__}")
+        self.check_prompt_ids(prompt)
+        return None, list(prompt)
+
+    def check_prompt_ids(self, token_ids) -> None:
+        """Raise InvalidRequestError naming the first prompt token id outside the vocabulary."""
         vocab = self.loaded.config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
 
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise InvalidRequestError if a request can never run: token ids its params name outside
@@ -173,6 +184,20 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def run_to_completion(self, prompts: list, params: list[SamplingParams | None],
+                          on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Add every prompt (with its params), step until all are finished; the final outputs in
+        prompt order. ``on_finished`` sees each output as its request finishes (a progress bar)."""
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if on_finished is not None:
+                        on_finished(out)
+        return [final[i] for i in ids]
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every sequence that got tokens."""
@@ -342,9 +367,12 @@ class LLMEngine:
         )
 
     def stats(self) -> dict:
-        """Engine-wide counters: KV pool use, prefix cache, preemptions, reservations."""
+        """Engine-wide counters: requests running and waiting, KV pool use, prefix cache,
+        preemptions, reservations, speculation (the server's metrics read these)."""
         kv, res = self.kv_cache, self.scheduler.preallocation.stats
         return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "num_blocks": kv.num_blocks,
             "num_free_blocks": kv.num_free_blocks,
             "num_evictable_blocks": kv.num_evictable_blocks,

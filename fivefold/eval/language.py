@@ -11,36 +11,7 @@ import math
 
 import torch
 
-from fivefold.models.attention import AttentionMetadata
-
-BLOCK = 16
-
-
-def prefill_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, vocab] of one sequence, computed as a single prefill into a scratch
-    KV cache; differentiable when called outside inference mode (KD training uses it)."""
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    num_tokens = ids.numel()
-    num_blocks = -(-num_tokens // BLOCK)
-    c = model.config
-    meta = AttentionMetadata(query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
-                             slot_mapping=torch.arange(num_tokens), block_tables=torch.arange(num_blocks)[None, :],
-                             block_size=BLOCK)
-    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, BLOCK, c.head_dim, dtype=model.dtype)
-              for _ in range(c.num_layers)]
-    return model.compute_logits(model(ids, torch.arange(num_tokens), meta, caches))
-
-
-def sequence_logits(model, ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, vocab] of one sequence, computed as a single prefill (inference mode)."""
-    with torch.inference_mode():
-        return prefill_logits(model, ids)
-
-
-def llm_forward(model, ids) -> torch.Tensor:
-    """``forward_fn`` for ``quantize_`` on a Fivefold LLM: one calibration window."""
-    return sequence_logits(model, ids)
-
+from fivefold.models.forward import sequence_logits
 
 def language_metrics(model, windows: list[list[int]]) -> tuple[float, float]:
     """(perplexity, next-token accuracy in %) over every position of every window, one pass."""
@@ -88,14 +59,15 @@ def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float
     (greedy, EOS ignored): the best of ``repeats`` runs, so that one-off costs (oneDNN compiling
     kernels for a new shape on its first call, page faults) are not counted against whichever
     configuration meets them first."""
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.llm_engine import LLMEngine
     from fivefold.eval.text import corpus_ids, corpus_prompts
-    from fivefold.llm import LLM
     from fivefold.sampling_params import SamplingParams
 
-    llm = LLM(loaded, max_num_seqs=batch, kv_cache_memory_bytes=float(512 << 20))
-    prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), batch, 64, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    return max(decode_rate(llm.generate(prompts, params)) for _ in range(repeats))
+    engine = LLMEngine(loaded, EngineConfig.from_options(max_num_seqs=batch, kv_cache_memory_bytes=float(512 << 20)))
+    prompts = corpus_prompts(corpus_ids(loaded.tokenizer, "heldout"), batch, 64, seed=0)
+    params = [SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)] * batch
+    return max(decode_rate(engine.run_to_completion(prompts, params)) for _ in range(repeats))
 
 
 def engine_teacher_forced(loaded, windows: list[list[int]], chunk: int = 64, num_top: int = 1,
@@ -106,12 +78,15 @@ def engine_teacher_forced(loaded, windows: list[list[int]], chunk: int = 64, num
     first reads its context from the cache as decoding does (what a KV cache option such as
     ``kv_cache_dtype="int8"`` changes, and a one-prefill perplexity would not see). ``num_top``:
     the most likely tokens each entry lists."""
-    from fivefold.llm import LLM
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.llm_engine import LLMEngine
     from fivefold.sampling_params import SamplingParams
 
     options = {"kv_cache_memory_bytes": float(64 << 20), **engine_options}
-    llm = LLM(loaded, enable_prefix_caching=False, max_num_batched_tokens=chunk, **options)
-    outs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=num_top))
+    engine = LLMEngine(loaded, EngineConfig.from_options(enable_prefix_caching=False, max_num_batched_tokens=chunk,
+                                                         **options))
+    outs = engine.run_to_completion(windows, [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=num_top)]
+                                    * len(windows))
     return [e for out in outs for e in out.prompt_logprobs[1:]]
 
 

@@ -1,8 +1,12 @@
-"""Load a model by built-in name, Hugging Face directory or GGUF file.
+"""Load a model by built-in name, Hugging Face directory or GGUF file; write one back.
 
 ``load_model`` returns the serving model (weights in the requested dtype), its
 tokenizer and its config. Every failure a user can cause is a one-line
 :class:`~fivefold.errors.ModelLoadError`.
+
+Loading follows gpt-fast: the model is built on the meta device, the module types the
+checkpoint's format names are swapped in (``Int8Linear`` for a directory written by
+:func:`save_quantized`), and each tensor is assigned once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from fivefold.models.registry import resolve_model_path
 from fivefold.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANT_METHOD = "fivefold-int8"  # config.json's quantization_config.quant_method of save_quantized
+FORMAT_VERSION = 1
 
 
 @dataclass
@@ -34,6 +40,9 @@ class LoadedModel:
     path: Path
     format: str  # "gguf" or "hf"
     name: str
+    # The Int8Config (as a dict) the weights carry, from the checkpoint or from quantizing after
+    # loading: int8 cannot be undone, so a caller wanting another quantization reloads.
+    quantization: dict | None = None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -159,16 +168,90 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> Loade
 
         weights = gguf_tensors(reader, config)
     else:
-        from fivefold.quant.serialization import load_quantized_model, quantization_config
-
         qconfig = quantization_config(location)
         if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
             model = load_quantized_model(location, config, torch_dtype, qconfig)
-            return LoadedModel(model, tokenizer, config, location, fmt, name_or_path)
+            return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, qconfig["config"])
         weights = hf_tensors(location)
     with torch.inference_mode():
         model = build_model(config, weights, torch_dtype)
     return LoadedModel(model, tokenizer, config, location, fmt, name_or_path)
+
+
+def quantization_config(directory: Path) -> dict | None:
+    """config.json's ``quantization_config`` when :func:`save_quantized` wrote the directory."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    q = raw.get("quantization_config")
+    return q if isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD else None
+
+
+def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torch.dtype,
+                         qconfig: dict) -> LlamaForCausalLM:
+    """Rebuild a Fivefold LLM with int8 modules from a directory written by :func:`save_quantized`:
+    built on the meta device, the modules ``qconfig["modules"]`` names swapped for
+    :class:`Int8Linear` of the saved format, every tensor assigned once."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from fivefold.models.int8_linear import Int8Format, Int8Linear
+    from fivefold.models.layers import RotaryEmbedding
+
+    if qconfig.get("format_version") != FORMAT_VERSION:
+        raise ModelLoadError(f"{directory}: quantized format version {qconfig.get('format_version')} is not "
+                             f"supported (this version reads {FORMAT_VERSION})")
+    int8_format = Int8Format.of(qconfig["config"])
+    try:
+        state = load_file(str(directory / "model.safetensors"))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ModelLoadError(f"corrupt or truncated safetensors file in {directory}: {exc}") from None
+    int8_modules = set(qconfig["modules"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config)
+        for name in qconfig["modules"]:
+            linear = model.get_submodule(name)
+            model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in state,
+                                                 int8_format))
+    model.rotary = RotaryEmbedding(model_config)
+    tied = model_config.is_tied_embeddings and "lm_head.weight" not in state
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    # Scales, zero points, clip ranges and biases of int8 modules stay float32.
+    state = {k: v.to(dtype) if v.is_floating_point() and k.rpartition(".")[0] not in int8_modules else v
+             for k, v in state.items()}
+    try:
+        model.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"{directory}: tensors do not match the quantization config: "
+                             f"{str(exc).splitlines()[0]}") from None
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_dir: str | Path,
+                   extra: dict | None = None) -> Path:
+    """Write ``loaded`` (already quantized: ``modules`` are int8 layers made with ``config``, an
+    ``Int8Config.to_dict()``) as a directory :func:`load_model` reads back in int8: config.json with
+    a ``quantization_config``, model.safetensors (int8 weights with their scales, zero points and
+    clip ranges, under the names Fivefold serves: fused ``qkv_proj`` and ``gate_up_proj``), and
+    the tokenizer."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().contiguous() for name, tensor in loaded.model.state_dict().items()}
+    if loaded.config.is_tied_embeddings and "lm_head" not in modules:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding; re-tied on load
+    save_file(state, str(out / "model.safetensors"))
+    hf = loaded.config.to_hf_dict()
+    hf["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+                                 "config": config, "modules": list(modules), **(extra or {})}
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    loaded.tokenizer.hf.save_pretrained(str(out))
+    return out
 
 
 def export_hf_directory(loaded: LoadedModel, out_dir: str | Path) -> Path:

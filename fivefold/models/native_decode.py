@@ -37,7 +37,7 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     """(streaming weight in fivefold::stream_pack's layout, per-channel scale, bias, the weight for
     larger batches: oneDNN-packed, or row-major for at::linear), or why it cannot run."""
     from fivefold.kernels import stream_ops
-    from fivefold.quant.linear import Int8Linear
+    from fivefold.models.int8_linear import Int8Linear
 
     bias = getattr(linear, "bias", None)
     bias = _NONE if bias is None else bias.detach()

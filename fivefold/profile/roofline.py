@@ -113,7 +113,7 @@ def measure_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, rep
     """FLOP/s of a square GEMM in ``dtype`` (int8: the kernel W8A8 per-token runs on this CPU, int32
     accumulation: ``torch._int_mm`` where it is exact, our exact kernel elsewhere)."""
     if dtype == torch.int8:
-        from fivefold.quant.int8_backends import int8_matmul_exact, w8a8_kernel
+        from fivefold.models.int8_backends import int8_matmul_exact, w8a8_kernel
 
         a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
         b = torch.randint(-127, 128, (size, size), dtype=torch.int8)

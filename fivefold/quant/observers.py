@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from fivefold.quant.primitives import ACT_QMAX, activation_qparams
+from fivefold.models.int8_primitives import ACT_QMAX, activation_qparams
 
 NUM_BINS = 2048
 NUM_LEVELS = 128  # int8 levels on one side of zero

@@ -11,7 +11,7 @@ then swaps each wrapper for the real int8 module with the learnt ranges.
 QAT simulates exactly the kernel that will run, so it accepts only configs whose int8
 arithmetic it reproduces: W8A8 with static activations (the int8 grid of the calibrated
 range; every W8A8 kernel Fivefold runs is exact integer arithmetic on this CPU,
-``fivefold.quant.int8_backends``) and W8A16 (weights only: activations stay float). Dynamic
+``fivefold.models.int8_backends``) and W8A16 (weights only: activations stay float). Dynamic
 activations get a new scale per call at serve time, which a learnt range would not
 reproduce: ``prepare_qat`` refuses them with a one-line error.
 """
@@ -24,8 +24,8 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.quant.config import Int8Config
-from fivefold.quant.int8_backends import EXACT_FALLBACK, EXACT_KERNEL, is_library_kernel_exact, w8a8_kernel
-from fivefold.quant.primitives import (
+from fivefold.models.int8_backends import EXACT_FALLBACK, EXACT_KERNEL, is_library_kernel_exact, w8a8_kernel
+from fivefold.models.int8_primitives import (
     ACT_QMAX,
     ACT_QMIN,
     WEIGHT_QMAX,

@@ -86,8 +86,9 @@ def mixed_precision(model_factory: Callable[[], nn.Module], config: Int8Config, 
         nonlocal best
         if k not in values:
             model = model_factory()
-            quantize_(model, config, calibration_data, forward_fn, only=order[k:], show_progress=show_progress,
-                      ranges=ranges)
+            quantized = set(order[k:])
+            quantize_(model, config, calibration_data, forward_fn, filter_fn=lambda _m, name: name in quantized,
+                      show_progress=show_progress, ranges=ranges)
             values[k] = metric_fn(model)
             if is_acceptable(values[k]) and (best is None or k < best[0]):
                 best = (k, model)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fivefold.quant.config import Int8Config
-from fivefold.quant.linear import Int8Conv2d, Int8Linear
+from fivefold.models.int8_linear import Int8Conv2d, Int8Linear
 from fivefold.quant.observers import make_observer
 
 
@@ -126,29 +126,31 @@ def _default_forward(model, sample):
 
 
 def quantize_(model: nn.Module, config: Int8Config, calibration_data: Iterable[Any] | None = None,
-              forward_fn: Callable | None = None, only: Iterable[str] | None = None,
+              forward_fn: Callable | None = None, filter_fn: Callable[[nn.Module, str], bool] | None = None,
               show_progress: bool = True, ranges: dict[str, tuple[float, float]] | None = None
               ) -> QuantizationResult:
     """Quantize ``model``'s linear layers in place; return what was done.
 
-    ``forward_fn(model, sample)`` runs one calibration sample (default: ``model(sample)``).
-    ``only`` restricts the targets to these module names (mixed precision uses it).
-    ``ranges`` reuses clip ranges calibrated before (by name) instead of calibrating again.
+    The targets are the quantizable layers (nn.Linear, the packed linear, groups=1 Conv2d) that
+    ``config.skip`` does not name and, as in torchao, for which ``filter_fn(module, name)`` is true
+    when given (mixed precision passes the layers it quantizes): the caller chooses, ``quant``
+    knows no architecture. ``forward_fn(model, sample)`` runs one calibration sample (default:
+    ``model(sample)``). ``ranges`` reuses clip ranges calibrated before (by name) instead of
+    calibrating again.
     """
     forward_fn = forward_fn or _default_forward
     targets = target_linears(model, config.skip)
-    if only is not None:
-        wanted = set(only)
-        targets = [(n, m) for n, m in targets if n in wanted]
+    if filter_fn is not None:
+        targets = [(n, m) for n, m in targets if filter_fn(m, n)]
     result = QuantizationResult(config)
     data = list(calibration_data) if calibration_data is not None else None
     if (config.bias_correction or config.smoothquant_alpha or (config.is_static and ranges is None)) and not data:
         raise ValueError(f"{config.label}{' with bias correction' if config.bias_correction else ''} needs calibration data")
-    if config.smoothquant_alpha and not getattr(model, "fivefold_smoothed", False):
-        from fivefold.quant.smoothquant import smooth_
+    if config.smoothquant_alpha:
+        from fivefold.quant.smoothquant import is_smoothed, smooth_
 
-        smooth_(model, data, forward_fn, config.smoothquant_alpha)  # before calibration: ranges are of X / s
-        model.fivefold_smoothed = True
+        if not is_smoothed(model):  # before calibration: ranges are of X / s
+            smooth_(model, data, forward_fn, config.smoothquant_alpha)
     if ranges is None:
         ranges = calibrate(model, targets, config, data, forward_fn, show_progress) if data else {}
     shifts = (measure_bias_shifts(model, targets, config, ranges, data, forward_fn, show_progress)

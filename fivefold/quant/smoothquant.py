@@ -16,12 +16,23 @@ The LM head is left alone (its weight is tied to the embedding). Xiao et al., 20
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import torch
 from torch import nn
 
 from fivefold.errors import FivefoldError
+
+
+# Models smooth_ has rescaled, with their alpha: smoothing twice would divide the activations
+# again, so quantize_ asks (is_smoothed) before it smooths. Held weakly: no model is kept alive.
+_SMOOTHED: "weakref.WeakKeyDictionary[nn.Module, float]" = weakref.WeakKeyDictionary()
+
+
+def is_smoothed(model: nn.Module) -> bool:
+    """Whether :func:`smooth_` has already rescaled ``model``."""
+    return model in _SMOOTHED
 
 
 def _input_absmax(model, names: list[str], data, forward_fn) -> dict[str, torch.Tensor]:
@@ -87,4 +98,5 @@ def smooth_(model: nn.Module, calibration_data, forward_fn, alpha: float = 0.5) 
         if mlp.gate_up_proj.bias is not None:
             mlp.gate_up_proj.bias[inter:].div_(s.to(mlp.gate_up_proj.bias.dtype))
         mlp.down_proj.weight.mul_(s.to(mlp.down_proj.weight.dtype))
+    _SMOOTHED[model] = alpha
     return len(names)

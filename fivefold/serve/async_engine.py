@@ -2,8 +2,13 @@
 coroutines submit requests and read their outputs from asyncio queues.
 
 Only the engine thread touches the LLMEngine (one owner per resource). Requests and
-aborts reach it through a thread-safe inbox; outputs go back to each request's event
-loop with ``call_soon_threadsafe``.
+aborts reach it through a thread-safe inbox (:class:`AddRequest`, :class:`AbortRequest`);
+what it has for a request goes back to that request's event loop with
+``call_soon_threadsafe`` (:class:`NewOutput`, :class:`RequestFailed`).
+
+:class:`AsyncEngine` is the server's :class:`~fivefold.serve.engine_client.EngineClient`: a
+request is validated once, by ``admit`` in a worker thread, and the engine thread adds it
+without validating it again.
 
 Failure: any exception in the engine thread, inside ``step()`` or outside it (inbox,
 aborts, queue bookkeeping, delivery, metrics), is fatal. The thread logs the traceback
@@ -21,19 +26,53 @@ import asyncio
 import logging
 import queue
 import threading
-import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.outputs import RequestOutput
-from fivefold.errors import EngineDeadError, OverloadedError, QueueTimeoutError
+from fivefold.errors import EngineDeadError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
+from fivefold.serve.admission import QueueAdmission
 from fivefold.serve.metrics import ServerMetrics
 
 log = logging.getLogger("fivefold.engine")
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox: run this request (``validated``: admitted, so already checked against the engine)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    validated: bool
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox: drop this request wherever it is."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class NewOutput:
+    """Delivered: the request's output after a step that added tokens (finished on the last)."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Delivered: the request ends with this error (refused after all, timed out, engine dead)."""
+
+    error: BaseException
+
+
 class AsyncEngine:
+    """An LLMEngine run by its own thread, served to coroutines (see the module doc)."""
+
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  queue_timeout: float | None = None,
@@ -42,26 +81,40 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.fatal_error: EngineDeadError | None = None
         self.metrics = metrics
-        self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = max_queued_tokens
-        self.queue_timeout = queue_timeout
-        # Requests accepted but not yet scheduled: id -> [prompt tokens, time accepted, is in the engine].
-        self._queued: dict[str, list] = {}
-        self._queue_lock = threading.Lock()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.admission = QueueAdmission(max_queued_requests, max_queued_tokens, queue_timeout)
+        self._stats = engine.stats()  # the engine thread's latest copy: other threads never read the engine's state
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fivefold-engine", daemon=True)
         self._thread.start()
 
+    # -- what the server reads (fixed after start) -------------------------------------------
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError now if the request can never run (reads only fixed limits)."""
-        self.engine.validate(len(prompt_token_ids), params)
+    @property
+    def model_config(self):
+        return self.engine.loaded.config
+
+    @property
+    def model_path(self):
+        return self.engine.loaded.path
+
+    @property
+    def dtype(self):
+        return self.engine.loaded.model.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
 
     @property
     def is_running(self) -> bool:
@@ -70,73 +123,53 @@ class AsyncEngine:
 
     @property
     def num_queued_requests(self) -> int:
-        return len(self._queued)
+        return len(self.admission)
 
-    def reserve_queue(self, request_ids: list[str], num_prompt_tokens: int) -> None:
-        """Take places in the queue for these requests, or raise OverloadedError naming the limit."""
-        with self._queue_lock:
-            num_requests = len(self._queued) + len(request_ids)
-            num_tokens = sum(entry[0] for entry in self._queued.values()) + num_prompt_tokens * len(request_ids)
-            if self.max_queued_requests is not None and num_requests > self.max_queued_requests:
-                raise OverloadedError(f"too many queued requests: the limit is {self.max_queued_requests}")
-            if self.max_queued_tokens is not None and num_tokens > self.max_queued_tokens:
-                raise OverloadedError(f"too many queued prompt tokens: the limit is {self.max_queued_tokens}")
-            now = time.monotonic()
-            for request_id in request_ids:
-                self._queued[request_id] = [num_prompt_tokens, now, False]
+    def stats(self) -> dict:
+        """The engine's counters as of its thread's last step (or abort)."""
+        return dict(self._stats)
 
-    def release_queue(self, request_ids: list[str]) -> None:
-        with self._queue_lock:
-            for request_id in request_ids:
-                self._queued.pop(request_id, None)
+    # -- requests ------------------------------------------------------------------------------
 
-    def _update_queue(self) -> None:
-        """Drop scheduled or finished requests from the queue; time out the ones waiting too long."""
-        now = time.monotonic()
-        with self._queue_lock:
-            queued = list(self._queued.items())
-        for request_id, (_, accepted, is_in_engine) in queued:
-            if not is_in_engine:
-                continue  # still on its way through the inbox
-            state = self.engine.requests.get(request_id)
-            if state is not None and state.seq.metrics.first_scheduled_time is None:
-                if self.queue_timeout is None or now - accepted <= self.queue_timeout:
-                    continue
-                self.engine.abort(request_id)
-                self._deliver(request_id, QueueTimeoutError(
-                    f"request waited {now - accepted:.1f} s in the queue; the limit is {self.queue_timeout} s"))
-                if self.metrics is not None:
-                    self.metrics.request_aborted(request_id)
-            self.release_queue([request_id])
+    async def admit(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[list[str]]) -> None:
+        """Validate every prompt with ``params`` (raises InvalidRequestError if the request can
+        never run) in a worker thread, then take the queue places of ``request_ids`` (prompt p's
+        choices are ``request_ids[p]``), all or none (OverloadedError naming the limit)."""
+        def validate_all() -> None:  # reads only fixed limits: safe beside the engine thread
+            for ids in prompts:
+                self.engine.validate(len(ids), params)
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        await asyncio.to_thread(validate_all)  # a grammar's check can take a while: off the event loop
+        self.admission.reserve_all([(ids, len(prompt)) for ids, prompt in zip(request_ids, prompts)])
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that adds a token. Leaving the
         iteration early (a client that disconnected) aborts the request."""
         out_queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(AddRequest(request_id, prompt_token_ids, params, validated=request_id in self.admission))
         self._wake.set()
         finished = False
         try:
             if self.fatal_error is not None:  # set before the failing thread delivers: nobody is missed
                 raise self.fatal_error
             while True:
-                item = await out_queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                item: NewOutput | RequestFailed = await out_queue.get()
+                if isinstance(item, RequestFailed):
+                    raise item.error
+                finished = item.output.finished
+                yield item.output
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            self.release_queue([request_id])
+            self.admission.release([request_id])
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -148,9 +181,11 @@ class AsyncEngine:
             return  # the failed thread delivered its errors; the engine's state is not trusted
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-            self._deliver(request_id, QueueTimeoutError("the server is shutting down"))
+            self._deliver(request_id, RequestFailed(QueueTimeoutError("the server is shutting down")))
 
-    def _deliver(self, request_id: str, item) -> None:
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: NewOutput | RequestFailed) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, out_queue = target
@@ -159,41 +194,61 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, request_id, *rest = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                if request_id in self.engine.requests:
-                    self.engine.abort(request_id)
-                    if self.metrics is not None:
-                        self.metrics.request_aborted(request_id)
-                        # The gauges must show the freed blocks even if no step follows (the last request left).
-                        self.metrics.observe_step(self.engine, [])
-                continue
-            prompt_token_ids, params = rest
-            try:
-                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
-            except Exception as exc:  # invalid after all: tell the waiting coroutine
-                self._deliver(request_id, exc)
-            with self._queue_lock:
-                if request_id in self._queued:
-                    self._queued[request_id][2] = True
+            if isinstance(message, AbortRequest):
+                self._abort(message.request_id)
+            else:
+                self._add(message)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self.engine.requests:
+            self.engine.abort(request_id)
+            # The stats (and gauges) must show the freed blocks even if no step follows (the last request left).
+            self._stats = self.engine.stats()
+            if self.metrics is not None:
+                self.metrics.request_aborted(request_id)
+                self.metrics.observe_step(self._stats, [])
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            self.engine.add_request(message.prompt_token_ids, message.params, request_id=message.request_id,
+                                    validated=message.validated)
+        except Exception as exc:  # refused after all (e.g. its grammar fails to compile): tell the waiting coroutine
+            self._deliver(message.request_id, RequestFailed(exc))
+        self.admission.mark_in_engine(message.request_id)
+
+    def _is_waiting(self, request_id: str) -> bool:
+        """Whether the request is in the engine and not scheduled yet."""
+        state = self.engine.requests.get(request_id)
+        return state is not None and state.seq.metrics.first_scheduled_time is None
+
+    def _update_queue(self) -> None:
+        """Drop scheduled or finished requests from the queue; time out the ones waiting too long."""
+        for request_id, waited in self.admission.sweep(self._is_waiting):
+            self.engine.abort(request_id)
+            self._deliver(request_id, RequestFailed(QueueTimeoutError(
+                f"request waited {waited:.1f} s in the queue; the limit is {self.admission.queue_timeout} s")))
+            if self.metrics is not None:
+                self.metrics.request_aborted(request_id)
 
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()
-                if self._queued:
+                if len(self.admission):
                     self._update_queue()
                 if not self.engine.has_unfinished:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
+                self._stats = self.engine.stats()
                 if self.metrics is not None:
-                    self.metrics.observe_step(self.engine, outputs)
+                    self.metrics.observe_step(self._stats, outputs)
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    self._deliver(out.request_id, NewOutput(out))
         except BaseException as exc:  # a bug anywhere in the loop: fail loudly, never hang a request
             self._die(exc)
 
@@ -202,10 +257,9 @@ class AsyncEngine:
         self.fatal_error = EngineDeadError.from_exception(exc)
         for request_id in list(self._streams):
             try:
-                self._deliver(request_id, self.fatal_error)
+                self._deliver(request_id, RequestFailed(self.fatal_error))
             except RuntimeError:  # that request's event loop is closed: nobody waits on it
                 pass
-        with self._queue_lock:
-            self._queued.clear()
+        self.admission.clear()
         if self.on_fatal is not None:
             self.on_fatal(exc)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from fastapi import Request
 
 from fivefold.errors import FivefoldError, ReplicaUnavailableError
-from fivefold.serve.app import ServerSpec
+from fivefold.serve.config import ServerConfig
 from fivefold.serve.replica import EngineReplica
 from fivefold.serve.routing import ROUTING_POLICIES, PrefixAwareRouter, ReplicaLoad, make_router
 
@@ -138,7 +138,7 @@ class ReplicaSet:
     """Owns the Ray connection, the replicas' Serve applications and their handles,
     their health and this front's in-flight count on each (one owner per resource)."""
 
-    def __init__(self, spec: ServerSpec, config: ClusterConfig, log=None) -> None:
+    def __init__(self, server: ServerConfig, config: ClusterConfig, log=None) -> None:
         try:
             import ray  # noqa: F401
             from ray import serve  # noqa: F401
@@ -146,10 +146,10 @@ class ReplicaSet:
             raise FivefoldError(f"--replicas needs Ray Serve: {CLUSTER_HINT}") from None
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
-        self.spec, self.config = spec, config
+        self.server, self.config = server, config
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.replica_ids = [f"replica-{i}" for i in range(config.num_replicas)]
-        self.router = make_router(config.routing, spec.engine_options.get("block_size", 16))
+        self.router = make_router(config.routing, server.engine_options.get("block_size", 16))
         self._handles: dict[str, object] = {}
         self._pids: dict[str, int] = {}
         self._capacity: dict[str, int] = {}
@@ -161,7 +161,7 @@ class ReplicaSet:
 
         def per_replica(kind, name, doc):
             metric = kind(f"fivefold:{name}", doc, labels, registry=self.registry)
-            return {rid: metric.labels(spec.served_model_name, rid) for rid in self.replica_ids}
+            return {rid: metric.labels(server.served_model_name, rid) for rid in self.replica_ids}
 
         self.m_routed = per_replica(Counter, "replica_requests", "Requests the front routed to each replica.")
         self.m_failed = per_replica(Counter, "replica_failed_requests",
@@ -204,14 +204,14 @@ class ReplicaSet:
                      log_to_driver=False)
             self._started_ray = True
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        spec = replace(self.spec, num_threads=max(1, int(cpus)))
+        server = replace(self.server, num_threads=max(1, int(cpus)))
         deployment = serve.deployment(
             EngineReplica, name="engine", num_replicas=1,
             # The engine batches and queues by itself (with its own limits): Serve must not.
             max_ongoing_requests=100_000, ray_actor_options={"num_cpus": cpus},
             health_check_period_s=1, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=cfg.shutdown_grace, graceful_shutdown_wait_loop_s=0.5)
-        targets = [serve.RunTarget(deployment.bind(spec, rid), name=self.app_name(rid), route_prefix=None)
+        targets = [serve.RunTarget(deployment.bind(server, rid), name=self.app_name(rid), route_prefix=None)
                    for rid in self.replica_ids]
         serve.run_many(targets, wait_for_applications_running=False)
         self._wait_running()
@@ -393,65 +393,47 @@ def routing_prompt_ids(tokenizer, path: str, body: bytes) -> list[int]:
         return []
 
 
-def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
-                      max_body_bytes: int = 1 << 20, admin_key: str | None = None):
-    """The front's FastAPI app: the base app's endpoints, plus the two generation
-    endpoints forwarded to the replica the router picks (``X-Fivefold-Replica`` says which).
+class ForwardAPI:
+    """The front's ``/v1/completions`` and ``/v1/chat/completions``: each request forwarded to
+    the replica the router picks (``X-Fivefold-Replica`` says which), with the current prompt
+    version, which this front owns (``--prompt-version``, then ``POST /admin/prompt-version``)."""
 
-    The front owns the result cache's prompt version (``--prompt-version``, then
-    ``POST /admin/prompt-version`` here) and sends it with every forwarded request, so
-    every replica, a restarted one included, answers under the current version; each
-    replica's cache purges the old version's entries the first time it sees the new one."""
-    from fastapi.responses import Response, StreamingResponse
+    def __init__(self, replicas: ReplicaSet, tokenizer) -> None:
+        self.replicas, self.tokenizer = replicas, tokenizer
+        self.version = replicas.server.prompt_version
 
-    from fivefold.serve.app import (
-        FRONT_VERSION_HEADER,
-        add_prompt_version_admin,
-        await_unless_disconnected,
-        build_base_app,
-        replica_unavailable_response,
-    )
+    def current_version(self) -> str:
+        return self.version
 
-    @asynccontextmanager
-    async def lifespan(_):
-        watch = asyncio.ensure_future(replicas.watch())
-        try:
-            yield
-        finally:
-            watch.cancel()
-
-    app = build_base_app(model_name, replicas.metrics_text, api_key, max_body_bytes,
-                         is_healthy=replicas.has_healthy, lifespan=lifespan)
-    versions = {"current": replicas.spec.prompt_version}
-
-    async def change_version(version: str) -> dict:
-        versions["current"] = version
+    async def change_version(self, version: str) -> dict:
+        self.version = version
         return {}
 
-    add_prompt_version_admin(app, admin_key, lambda: versions["current"], change_version)
+    def register(self, app) -> None:
+        app.add_api_route("/v1/completions", self.forward, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.forward, methods=["POST"])
 
-    async def forward(request: Request):
-        body = await request.body()
+    async def forward(self, request: Request):
+        from fastapi.responses import Response, StreamingResponse
+
+        from fivefold.serve.http_base import FRONT_VERSION_HEADER, await_unless_disconnected
+
+        replicas, body = self.replicas, await request.body()
         # Tokenizing a large prompt takes a while: off the event loop, so /health and the other requests
         # keep their answers coming meanwhile.
-        prompt_ids = await asyncio.to_thread(routing_prompt_ids, tokenizer, request.url.path, body) \
+        prompt_ids = await asyncio.to_thread(routing_prompt_ids, self.tokenizer, request.url.path, body) \
             if replicas.needs_prompt_ids else []
         replica_id = replicas.choose(prompt_ids)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {FRONT_VERSION_HEADER}]
-        headers.append((FRONT_VERSION_HEADER, versions["current"]))
+        headers.append((FRONT_VERSION_HEADER, self.version))
         stream = replicas.stream(replica_id, request.method, path, headers, body)
-
-        def unavailable(exc: ReplicaUnavailableError):  # the replica died before its reply was whole
-            response = replica_unavailable_response(exc)
-            response.headers["X-Fivefold-Replica"] = replica_id  # errors name their replica too
-            return response
-
         try:
-            ((status, reply_headers),) = await await_unless_disconnected(request, [asyncio.ensure_future(anext(stream))])
+            ((status, reply_headers),) = await await_unless_disconnected(request,
+                                                                         [asyncio.ensure_future(anext(stream))])
         except ReplicaUnavailableError as exc:
             await stream.aclose()
-            return unavailable(exc)
+            return _unavailable(exc, replica_id)
         except BaseException:
             await stream.aclose()
             raise
@@ -467,13 +449,45 @@ def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key:
         try:
             (content,) = await await_unless_disconnected(request, [asyncio.ensure_future(read_all())])
         except ReplicaUnavailableError as exc:
-            return unavailable(exc)
+            return _unavailable(exc, replica_id)
         finally:
             await stream.aclose()
         return Response(content, status_code=status, headers=reply_headers, media_type=media_type)
 
-    app.add_api_route("/v1/completions", forward, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
+
+def _unavailable(exc: ReplicaUnavailableError, replica_id: str):
+    """The 503 of a replica that died before its reply was whole (errors name their replica too)."""
+    from fivefold.serve.http_base import replica_unavailable_response
+
+    response = replica_unavailable_response(exc)
+    response.headers["X-Fivefold-Replica"] = replica_id
+    return response
+
+
+def build_cluster_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
+                      max_body_bytes: int = 1 << 20, admin_key: str | None = None):
+    """The front's FastAPI app: the base app's endpoints, plus the two generation
+    endpoints forwarded to the replica the router picks (``X-Fivefold-Replica`` says which).
+
+    The front owns the result cache's prompt version (``--prompt-version``, then
+    ``POST /admin/prompt-version`` here) and sends it with every forwarded request, so
+    every replica, a restarted one included, answers under the current version; each
+    replica's cache purges the old version's entries the first time it sees the new one."""
+    from fivefold.serve.http_base import PromptVersionAdmin, build_base_app
+
+    @asynccontextmanager
+    async def lifespan(_):
+        watch = asyncio.ensure_future(replicas.watch())
+        try:
+            yield
+        finally:
+            watch.cancel()
+
+    app = build_base_app(model_name, replicas.metrics_text, api_key, max_body_bytes,
+                         is_healthy=replicas.has_healthy, lifespan=lifespan)
+    forwarding = ForwardAPI(replicas, tokenizer)
+    PromptVersionAdmin(admin_key, forwarding.current_version, forwarding.change_version).register(app)
+    forwarding.register(app)
     return app
 
 

@@ -24,8 +24,8 @@ from fivefold.batching.config import BatcherConfig
 from fivefold.batching.encoder import EncoderModel, measure_auto_delay
 from fivefold.batching.metrics import BatcherMetrics
 from fivefold.errors import FivefoldError
-from fivefold.serve.app import (
-    DEFAULT_MAX_BODY_BYTES,
+from fivefold.serve.config import DEFAULT_MAX_BODY_BYTES
+from fivefold.serve.http_base import (
     APIError,
     await_unless_disconnected,
     build_base_app,
@@ -37,12 +37,26 @@ from fivefold.serve.protocol import EmbeddingRequest
 MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
 
 
-def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
-                         api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = build_base_app(model_name, registry_text(metrics_registry), api_key, max_body_bytes,
-                         is_healthy=lambda: batcher.is_running)
+def encode_vector(vector: torch.Tensor, dimensions: int | None, encoding: str):
+    """One embedding as answered: cut to ``dimensions`` and re-normalised, as floats or base64."""
+    if dimensions is not None and dimensions < vector.numel():
+        vector = torch.nn.functional.normalize(vector[:dimensions], dim=0)
+    if encoding == "base64":
+        return base64.b64encode(vector.float().contiguous().numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
 
-    def token_lists(req: EmbeddingRequest) -> list[list[int]]:
+
+class EmbeddingsAPI:
+    """The embeddings surface over an encoder and its dynamic batcher."""
+
+    def __init__(self, encoder: EncoderModel, batcher: DynamicBatcher, model_name: str) -> None:
+        self.encoder, self.batcher, self.model_name = encoder, batcher, model_name
+
+    def register(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+
+    def token_lists(self, req: EmbeddingRequest) -> list[list[int]]:
+        """The token ids of each input (400 naming the input that is empty or invalid)."""
         raw = req.input
         if isinstance(raw, str):
             raw = [raw]
@@ -58,30 +72,22 @@ def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_n
                 if isinstance(item, str):
                     if not item:
                         raise FivefoldError("input is an empty string")
-                    lists.append(encoder.encode(item))
+                    lists.append(self.encoder.encode(item))
                 else:
-                    encoder.check_ids(item)
+                    self.encoder.check_ids(item)
                     lists.append(list(item))
             except FivefoldError as exc:
                 where = "" if len(raw) == 1 else f"input[{i}]: "
                 raise APIError(400, f"{where}{exc}", "input") from None
         return lists
 
-    def encode_vector(vector: torch.Tensor, dimensions: int | None, encoding: str):
-        if dimensions is not None and dimensions < vector.numel():
-            vector = torch.nn.functional.normalize(vector[:dimensions], dim=0)
-        if encoding == "base64":
-            return base64.b64encode(vector.float().contiguous().numpy().astype("<f4").tobytes()).decode()
-        return vector.tolist()
-
-    @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest, request: Request):
-        check_model(req.model, model_name)
-        if req.dimensions is not None and not 1 <= req.dimensions <= encoder.hidden_size:
-            raise APIError(400, f"dimensions must be in [1, {encoder.hidden_size}], got {req.dimensions}",
-                           "dimensions")
-        lists = token_lists(req)
-        futures = [asyncio.wrap_future(f) for f in batcher.submit_many([(ids, len(ids)) for ids in lists])]
+    async def embeddings(self, req: EmbeddingRequest, request: Request):
+        check_model(req.model, self.model_name)
+        hidden_size = self.encoder.hidden_size
+        if req.dimensions is not None and not 1 <= req.dimensions <= hidden_size:
+            raise APIError(400, f"dimensions must be in [1, {hidden_size}], got {req.dimensions}", "dimensions")
+        lists = self.token_lists(req)
+        futures = [asyncio.wrap_future(f) for f in self.batcher.submit_many([(ids, len(ids)) for ids in lists])]
         try:
             vectors = await await_unless_disconnected(request, futures)
         except Exception:
@@ -89,12 +95,19 @@ def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_n
                 f.cancel()  # the request failed (e.g. one input timed out): drop its other inputs
             raise
         num_tokens = sum(len(ids) for ids in lists)
-        return {"object": "list", "model": model_name,
+        return {"object": "list", "model": self.model_name,
                 "data": [{"object": "embedding", "index": i,
                           "embedding": encode_vector(v, req.dimensions, req.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
+
+def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
+                         api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The embeddings server: the base app and ``/v1/embeddings``."""
+    app = build_base_app(model_name, registry_text(metrics_registry), api_key, max_body_bytes,
+                         is_healthy=lambda: batcher.is_running)
+    EmbeddingsAPI(encoder, batcher, model_name).register(app)
     return app
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, named after vLLM's with a ``fivefold:`` prefix.
 
-Updated by the engine thread after every step (queue sizes, KV use, counters and
+Updated by the engine thread after every step, from the engine's ``stats()`` (queue sizes,
+KV use, prefix cache, preemptions, speculation) and the step's outputs (token counts and the
 latency histograms of finished requests), so scraping costs the engine nothing.
 """
 
@@ -10,13 +11,14 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ServerMetrics:
+    """The server's Prometheus registry and its metrics (one ``model_name`` label)."""
+
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -64,28 +66,28 @@ class ServerMetrics:
     def request_finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()
 
-    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def observe_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
+        """After a step: the gauges and counters from the engine's ``stats()`` (counters advance
+        by what changed since the last step), the latencies of ``outputs``."""
         now = time.monotonic()
-        sched, kv = engine.scheduler, engine.kv_cache
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(kv.num_used_blocks / kv.num_blocks)
-        self.kv_used_blocks.set(kv.num_used_blocks)
-        self.kv_num_blocks.set(kv.num_blocks)
-        queries, hits = kv.stats.num_queries, kv.stats.num_hits
-        self.prefix_queries.inc(queries - self._last_prefix[0])
-        self.prefix_hits.inc(hits - self._last_prefix[1])
-        self._last_prefix = (queries, hits)
-        self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
-        self._last_preemptions = sched.num_preemptions
-        spec = engine.spec_stats
-        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["num_used_blocks"] / stats["num_blocks"])
+        self.kv_used_blocks.set(stats["num_used_blocks"])
+        self.kv_num_blocks.set(stats["num_blocks"])
+        prefix = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
+        self.prefix_queries.inc(prefix[0] - self._last_prefix[0])
+        self.prefix_hits.inc(prefix[1] - self._last_prefix[1])
+        self._last_prefix = prefix
+        self.preemptions.inc(stats["num_preemptions"] - self._last_preemptions)
+        self._last_preemptions = stats["num_preemptions"]
+        counts = (stats["spec_num_drafts"], stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"])
         for metric, now_count, last in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
                                            counts, self._last_spec):
             metric.inc(now_count - last)
         self._last_spec = counts
-        self.spec_acceptance_rate.set(spec.acceptance_rate)
-        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
+        self.spec_acceptance_rate.set(stats["spec_acceptance_rate"])
+        self.spec_mean_accepted_length.set(stats["spec_mean_accepted_length"])
         for out in outputs:
             self.generation_tokens.inc(len(out.delta_token_ids))
             last = self._last_token_time.get(out.request_id)

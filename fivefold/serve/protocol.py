@@ -22,6 +22,7 @@ from fivefold.sampling_params import (
     MAX_STOP_STRINGS,
     SEED_MAX,
     SEED_MIN,
+    SamplingParams,
 )
 
 
@@ -129,6 +130,18 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None  # Lark, as vLLM's llguidance backend takes it
     structured_outputs: dict[str, Any] | None = None
 
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                         forced: tuple[str, StructuredOutputs] | None = None) -> SamplingParams:
+        """The SamplingParams of these fields (raises InvalidRequestError naming a value out of range)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop or (), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, n=self.n, logit_bias=self.logit_bias or (), stop_token_ids=self.stop_token_ids or (),
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs_of(self, forced),
+        )
+
 
 PromptText = Annotated[str, Field(json_schema_extra={"minLength": 1})]
 PromptTokens = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
@@ -144,6 +157,19 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # max_tokens 0 is accepted with echo (score a prompt: its logprobs, no new tokens), as OpenAI does.
     max_tokens: int | None = bounded(None, minimum=0)
+
+    @property
+    def is_scoring(self) -> bool:
+        """max_tokens 0: the prompt is scored (its logprobs), nothing generated; valid only with echo."""
+        return self.max_tokens == 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters of this request: max_tokens 16 when not given; a scored prompt
+        runs one token (the engine always samples one; the answer drops it); echo with logprobs
+        asks for the prompt's logprobs too."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(1 if self.is_scoring else max_tokens, self.logprobs,
+                                     prompt_logprobs=self.logprobs if self.echo else None)
 
 
 class ChatMessage(BaseModel):
@@ -195,6 +221,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = bounded(None, minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
+
+    def to_sampling_params(self, max_tokens: int,
+                           forced: tuple[str, StructuredOutputs] | None = None) -> SamplingParams:
+        """The engine's parameters of this request, with ``max_tokens`` (the caller's: it defaults
+        to the rest of the context after the rendered prompt) and ``forced``, the (field, grammar)
+        of a tool call that tool_choice forces."""
+        top = self.top_logprobs if self.top_logprobs is not None else 0
+        return self._sampling_params(max_tokens, top if self.logprobs else None, forced=forced)
 
 
 class EmbeddingRequest(BaseModel):

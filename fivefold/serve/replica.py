@@ -1,9 +1,10 @@
 """One engine replica: the single-engine server app, run inside a Ray Serve deployment.
 
 A replica is exactly what ``fivefold serve`` runs with one engine (``create_llm_server``:
-validation, queue limits, result cache, streaming, metrics), loaded in its own process. The front (fivefold/serve/cluster.py) does not re-implement any of it:
-it forwards each HTTP request it routed here through :meth:`EngineReplica.handle`, which
-calls the app in-process (``call_asgi``) and streams the response back, status first.
+validation, queue limits, result cache, streaming, metrics), loaded in its own process. The
+front (fivefold/serve/cluster.py) does not re-implement any of it: it forwards each HTTP
+request it routed here through :meth:`EngineReplica.handle`, which calls the app in-process
+(``call_asgi``) and streams the response back, status first.
 
 The class is plain Python; cluster.py wraps it with ``ray.serve.deployment`` when it
 deploys, so importing this module needs no Ray.
@@ -15,7 +16,7 @@ import asyncio
 import os
 from typing import AsyncIterator
 
-from fivefold.serve.app import ServerSpec
+from fivefold.serve.config import ServerConfig
 
 
 async def call_asgi(app, method: str, path: str, headers: list[tuple[str, str]],
@@ -76,12 +77,12 @@ async def call_asgi(app, method: str, path: str, headers: list[tuple[str, str]],
 class EngineReplica:
     """The body of a Ray Serve replica: one engine and its app (see the module doc)."""
 
-    def __init__(self, spec: ServerSpec, replica_id: str) -> None:
+    def __init__(self, server: ServerConfig, replica_id: str) -> None:
         from fivefold.serve.app import create_llm_server
 
         self.replica_id = replica_id
         # The front checked the API key and the body size, and owns the prompt version; the replica trusts it.
-        self.engine, self.app = create_llm_server(spec, behind_front=True)
+        self.engine, self.app = create_llm_server(server, behind_front=True)
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
         """Stream one forwarded HTTP request's response: ``(status, headers)``, then bytes."""
@@ -91,7 +92,7 @@ class EngineReplica:
     def info(self) -> dict:
         """What the front's health watch reads: the process (a new one means a restart) and
         the batch capacity the router weighs load against."""
-        return {"pid": os.getpid(), "max_num_seqs": self.engine.engine.config.max_num_seqs}
+        return {"pid": os.getpid(), "max_num_seqs": self.engine.max_num_seqs}
 
     def metrics_text(self) -> str:
         """This replica's Prometheus exposition (the front aggregates and labels them)."""

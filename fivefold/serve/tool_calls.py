@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fivefold.engine.stop_strings import stop_prefix_len
 from fivefold.errors import InvalidRequestError

@@ -9,7 +9,7 @@ import torch
 from fivefold.compress.llm_prune import prune_attention_groups_, prune_mlp_neurons_, save_hf_directory
 from fivefold.errors import FivefoldError
 from fivefold.models import load_model
-from fivefold.eval.language import sequence_logits
+from fivefold.models.forward import sequence_logits
 from tests.conftest import TINY_VOCAB, save_random_hf_model
 
 IDS = list(range(5, 5 + 19))

@@ -17,7 +17,7 @@ from fivefold.engine.llm_engine import LLMEngine
 from fivefold.engine.sequence import Sequence
 from fivefold.engine.speculative import NgramProposer, can_speculate, num_proposals_allowed, verify
 from fivefold.errors import FivefoldError
-from fivefold.eval.language import sequence_logits
+from fivefold.models.forward import sequence_logits
 from fivefold.models import load_model
 from fivefold.sampling_params import SamplingParams
 from tests.conftest import TINY_VOCAB, save_random_hf_model

@@ -27,8 +27,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from fivefold.kernels import int8_ops, kernel_status
     from fivefold.quant.config import Int8Config
-    from fivefold.quant.int8_backends import per_token_quantize
-    from fivefold.quant.linear import Int8Linear
+    from fivefold.models.int8_backends import per_token_quantize
+    from fivefold.models.int8_linear import Int8Linear
     assert int8_ops() is None and int8_ops() is None
     status = kernel_status()
     lin = nn.Linear(40, 24, bias=False)

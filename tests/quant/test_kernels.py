@@ -7,7 +7,7 @@ from torch import nn
 
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
-from fivefold.quant.int8_backends import (
+from fivefold.models.int8_backends import (
     EXACT_KERNEL,
     LIBRARY_KERNELS,
     int8_matmul_exact,
@@ -15,8 +15,8 @@ from fivefold.quant.int8_backends import (
     per_token_quantize,
     w8a8_kernel,
 )
-from fivefold.quant.linear import Int8Linear
-from fivefold.quant.primitives import activation_qparams, quantize_activation, sqnr_db
+from fivefold.models.int8_linear import Int8Linear
+from fivefold.models.int8_primitives import activation_qparams, quantize_activation, sqnr_db
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (3, 100, 17), (4, 16, 3), (5, 1536, 577), (17, 33, 8),

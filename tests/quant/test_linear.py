@@ -6,9 +6,9 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.quant.config import Int8Config
-from fivefold.quant.int8_backends import per_token_quantize
-from fivefold.quant.linear import Int8Linear
-from fivefold.quant.primitives import sqnr_db
+from fivefold.models.int8_backends import per_token_quantize
+from fivefold.models.int8_linear import Int8Linear
+from fivefold.models.int8_primitives import sqnr_db
 from fivefold.quant.quantize import quantize_
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fivefold.quant.observers import NUM_BINS, make_observer
-from fivefold.quant.primitives import (
+from fivefold.models.int8_primitives import (
     activation_qparams,
     dequantize_activation,
     dequantize_weight,

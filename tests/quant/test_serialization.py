@@ -8,11 +8,11 @@ import torch
 from fivefold.llm import LLM
 from fivefold.models import load_model
 from fivefold.quant.config import Int8Config
-from fivefold.eval.language import llm_forward
+from fivefold.models.forward import llm_forward
 from fivefold.eval.text import text_windows
-from fivefold.quant.linear import Int8Linear
+from fivefold.models.int8_linear import Int8Linear
 from fivefold.quant.quantize import quantize_
-from fivefold.quant.serialization import save_quantized
+from fivefold.models.loader import save_quantized
 from fivefold.sampling_params import SamplingParams
 from tests.conftest import save_random_hf_model
 
@@ -33,7 +33,7 @@ def test_saved_model_reloads_bit_identical_and_generates_the_same_tokens(tiny, t
     calib = text_windows(loaded.tokenizer, "calibration", 2, 32)
     result = quantize_(loaded.model, config, calib, llm_forward, show_progress=False)
     assert ("lm_head" in result.quantized) == ("lm_head" not in config.skip)
-    out = save_quantized(loaded, config, result.quantized, tmp_path / "q")
+    out = save_quantized(loaded, config.to_dict(), result.quantized, tmp_path / "q")
     reloaded = load_model(str(out))
     a, b = loaded.model.state_dict(), reloaded.model.state_dict()
     assert a.keys() == b.keys()
@@ -66,7 +66,7 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     assert report["num_int8_modules"] + len(report["kept_float"]) == len(scan["layers"])
     # The kernel that ran (the subprocess inherits any AVX2 forcing) and the machine it ran on.
     from fivefold.platform import current_platform
-    from fivefold.quant.int8_backends import w8a8_kernel
+    from fivefold.models.int8_backends import w8a8_kernel
 
     assert report["kernels"] == {w8a8_kernel("static"): report["num_int8_modules"]}
     assert report["platform"]["isa_level"] == current_platform().isa_level
@@ -90,7 +90,7 @@ def test_fivefold_serve_runs_the_quantized_directory(tiny, tmp_path):
     config = Int8Config("w8a8", activation_granularity="per-tensor")
     result = quantize_(loaded.model, config, text_windows(loaded.tokenizer, "calibration", 2, 32), llm_forward,
                        show_progress=False)
-    out = save_quantized(loaded, config, result.quantized, tmp_path / "q")
+    out = save_quantized(loaded, config.to_dict(), result.quantized, tmp_path / "q")
     prompt = [5, 17, 33, 90]
     expected = LLM(load_model(str(out)), kv_cache_memory_bytes=8 << 20).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text

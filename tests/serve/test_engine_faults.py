@@ -74,12 +74,12 @@ def test_a_fault_anywhere_in_the_engine_thread_fails_every_request_within_the_bo
     params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
     async def scenario():
-        engine.reserve_queue(["q"], 3)  # a queue entry, so that the queue bookkeeping runs
+        engine.admission.reserve(["q"], 3)  # a queue entry, so that the queue bookkeeping runs
         results: dict[str, object] = {}
 
         async def consume(rid: str):
             try:
-                async for _ in engine.add_request(rid, [5, 6, 7], params):
+                async for _ in engine.generate(rid, [5, 6, 7], params):
                     results.setdefault(rid, "running")
                 results[rid] = "finished"
             except EngineDeadError as exc:
@@ -107,7 +107,7 @@ def test_a_fault_anywhere_in_the_engine_thread_fails_every_request_within_the_bo
     assert len(fatal) == 1 and not engine.is_running
 
     async def after():  # refused at once, never queued behind a dead thread
-        async for _ in engine.add_request("late", [5, 6], params):
+        async for _ in engine.generate("late", [5, 6], params):
             pass
 
     with pytest.raises(EngineDeadError):

@@ -19,8 +19,9 @@ import pytest
 from fivefold.cache.result_cache import ResultCache
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.llm_engine import LLMEngine
-from fivefold.serve.app import MAX_LOGPROB_ENTRIES, build_app
+from fivefold.serve.app import build_app
 from fivefold.serve.async_engine import AsyncEngine
+from fivefold.serve.generation import MAX_LOGPROB_ENTRIES
 from tests.serve.conftest import running_server
 
 BUDGET_S = 1.0
@@ -323,7 +324,7 @@ def test_tokenize_and_detokenize_need_the_key_and_keep_the_limits(server):
 # -- 10: keys ------------------------------------------------------------------------------------
 def test_empty_keys_are_refused_at_start_and_the_admin_key_comes_before_the_body(smollm2):
     from fivefold.errors import FivefoldError
-    from fivefold.serve.app import build_base_app
+    from fivefold.serve.http_base import build_base_app
 
     for key in ("", "   "):
         with pytest.raises(FivefoldError, match="--api-key is empty"):
@@ -390,9 +391,9 @@ def test_a_client_that_leaves_before_its_first_token_aborts_its_request(smollm2)
 def test_a_stream_nobody_reads_is_aborted_at_its_backlog(smollm2, monkeypatch):
     """The app driven over ASGI by a client that never takes a body chunk: its choice is aborted once
     MAX_STREAM_BACKLOG outputs wait, instead of generating into an unbounded queue."""
-    from fivefold.serve import app as app_module
+    from fivefold.serve import choices
 
-    monkeypatch.setattr(app_module, "MAX_STREAM_BACKLOG", 4)
+    monkeypatch.setattr(choices, "MAX_STREAM_BACKLOG", 4)
     engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=16 << 20)))
     app = build_app(engine, "smol")
     body = json.dumps(NORMAL | {"stream": True, "max_tokens": 300, "ignore_eos": True}).encode()

@@ -29,19 +29,19 @@ def server(smollm2):
 def test_queue_limits_give_429_with_retry_after(server):
     url, engine = server
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
-    engine.reserve_queue(["fake-1", "fake-2"], 1)  # the queue is full
+    engine.admission.reserve(["fake-1", "fake-2"], 1)  # the queue is full
     try:
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["message"] == "too many queued requests: the limit is 2"
     finally:
-        engine.release_queue(["fake-1", "fake-2"])
-    engine.reserve_queue(["fake-3"], 999)  # one place left, but only 1 token
+        engine.admission.release(["fake-1", "fake-2"])
+    engine.admission.reserve(["fake-3"], 999)  # one place left, but only 1 token
     try:
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 429 and r.json()["error"]["message"] == "too many queued prompt tokens: the limit is 1000"
     finally:
-        engine.release_queue(["fake-3"])
+        engine.admission.release(["fake-3"])
     assert httpx.post(url + "/v1/completions", json=body).status_code == 200
 
 

@@ -79,7 +79,7 @@ def _write(out_dir: str, report: dict, model=None, loaded=None) -> Path:
 
 
 def _digits_rows(pairs, data) -> list[dict]:
-    from fivefold.compress.digits_report import add_latencies, measure
+    from fivefold.jobs.digits_report import add_latencies, measure
 
     rows = [measure(name, model, data) for name, model in pairs]
     add_latencies(rows, data.test[0][:1])
@@ -89,8 +89,8 @@ def _digits_rows(pairs, data) -> list[dict]:
 
 
 def print_rows(console, title: str, rows: list[dict]) -> None:
-    from fivefold.bench.report import results_table
-    from fivefold.compress.llm_report import print_llm_rows
+    from fivefold.jobs.report import results_table
+    from fivefold.jobs.llm_report import print_llm_rows
 
     if "test_accuracy" not in rows[0]:
         return print_llm_rows(console, title, rows)
@@ -101,7 +101,7 @@ def print_rows(console, title: str, rows: list[dict]) -> None:
 
 
 def _train_digits_teacher(log):
-    from fivefold.compress.digits_report import DigitsPlan
+    from fivefold.jobs.digits_report import DigitsPlan
     from fivefold.models.cnn import DigitsResNet
     from fivefold.eval.digits import load_digits_split, train
 
@@ -121,8 +121,9 @@ def run_prune(job: PruneJob, console) -> dict:
 
 
 def _prune_digits(job: PruneJob, console) -> dict:
-    from fivefold.compress.digits_report import iterative_prune
-    from fivefold.compress.pruning_sensitivity import pruning_sensitivity_scan, save_pruning_scan, scan_table
+    from fivefold.jobs.digits_report import iterative_prune
+    from fivefold.compress.pruning_sensitivity import pruning_sensitivity_scan, save_pruning_scan
+    from fivefold.jobs.report import scan_table
     from fivefold.compress.structured import prune_channels
     from fivefold.compress.unstructured import magnitude_prune_, remove_masks_
     from fivefold.eval.digits import accuracy, train
@@ -168,7 +169,8 @@ def _prune_digits(job: PruneJob, console) -> dict:
 
 def _prune_llm(job: PruneJob, console) -> dict:
     from fivefold.compress.llm_prune import prune_attention_groups_, prune_mlp_neurons_
-    from fivefold.compress.llm_report import kd_heal_, llm_rows
+    from fivefold.compress.llm_prune import kd_heal_
+    from fivefold.jobs.llm_report import llm_rows
     from fivefold.models import load_model
     from fivefold.eval.text import text_windows
 
@@ -203,7 +205,7 @@ def run_distill(job: DistillJob, console) -> dict:
     config = DistillConfig(steps=max(1, job.steps or 1), alpha=job.alpha, t_start=job.t_start, t_end=job.t_end,
                            schedule=job.schedule, **({} if job.lr is None else {"lr": job.lr}))  # validates the flags
     if job.teacher == DIGITS:
-        from fivefold.compress.digits_report import epoch_steps, train_batches
+        from fivefold.jobs.digits_report import epoch_steps, train_batches
         from fivefold.compress.distill import distill
         from fivefold.models.cnn import DigitsResNet
 
@@ -227,7 +229,8 @@ def run_distill(job: DistillJob, console) -> dict:
         _write(job.out_dir, report, model=student)
         return report
     from fivefold.compress.llm_prune import every_other_layer_student
-    from fivefold.compress.llm_report import kd_heal_, llm_rows
+    from fivefold.compress.llm_prune import kd_heal_
+    from fivefold.jobs.llm_report import llm_rows
     from fivefold.models import load_model
     from fivefold.eval.text import text_windows
 

@@ -29,7 +29,7 @@ import torch
 
 from fivefold.kernels import int8_ops
 from fivefold.platform import current_platform
-from fivefold.quant.primitives import ACT_QMAX, quantize_weight
+from fivefold.models.int8_primitives import ACT_QMAX, quantize_weight
 
 # The library kernel each W8A8 activation mode prefers on a VNNI CPU.
 LIBRARY_KERNELS = {"per-token": "int_mm", "per-tensor": "fbgemm", "static": "onednn"}

@@ -13,35 +13,7 @@ import time
 
 import torch
 
-from fivefold.compress.distill import kd_loss, temperature_at
-from fivefold.compress.llm_prune import make_trainable_, prune_mlp_neurons_
-from fivefold.eval.language import prefill_logits
-
-
-def kd_heal_(student_loaded, teacher_loaded, windows: list[list[int]], steps: int, lr: float = 3e-5,
-             t_start: float = 2.0, t_end: float = 1.0, alpha: float = 1.0, log=None) -> None:
-    """``steps`` of token-level KD of the student towards the teacher on ``windows`` (in place).
-    ``alpha`` < 1 mixes in the next-token cross-entropy on the text itself."""
-    student = make_trainable_(student_loaded.model)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
-    for step in range(steps):
-        ids = torch.tensor(windows[step % len(windows)])
-        with torch.inference_mode():
-            teacher_logits = prefill_logits(teacher_loaded.model, ids).clone()
-        t = temperature_at(step, steps, t_start, t_end, "cosine")
-        labels = ids[1:] if alpha < 1 else None
-        student_logits = prefill_logits(student, ids)
-        if labels is not None:
-            student_logits, teacher_logits = student_logits[:-1], teacher_logits[:-1]
-        loss = kd_loss(student_logits, teacher_logits, labels, t, alpha)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if log is not None and (step % 10 == 0 or step == steps - 1):
-            log(f"  KD heal step {step + 1}/{steps}: T {t:.2f}, loss {loss.item():.4f}")
-    for p in student.parameters():
-        p.requires_grad_(False)
-    student.set_fused_ops(True)
+from fivefold.compress.llm_prune import kd_heal_, prune_mlp_neurons_
 
 
 def llm_rows(pairs, windows: list[list[int]]) -> list[dict]:
@@ -59,7 +31,7 @@ def llm_rows(pairs, windows: list[list[int]]) -> list[dict]:
 
 
 def print_llm_rows(console, title: str, rows: list[dict]) -> None:
-    from fivefold.bench.report import results_table
+    from fivefold.jobs.report import results_table
 
     console.print(results_table(title, ("variant", "params", "held-out ppl", "ppl change", "decode tok/s", "speed-up"),
                                 [(r["variant"], f"{r['parameters'] / 1e6:.1f}M", f"{r['perplexity']:.3f}",

@@ -131,7 +131,7 @@ def run_fuse(job: FuseJob, console=None) -> dict:
 
 
 def _render(console, job: FuseJob, report: FuseReport, latency: list[dict]) -> None:
-    from fivefold.bench.report import results_table
+    from fivefold.jobs.report import results_table
 
     r = report
     counts = [("graph ops", r.graph_ops_before, r.graph_ops_after),

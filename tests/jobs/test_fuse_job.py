@@ -7,7 +7,7 @@ import torch
 
 from fivefold.cli import main
 from fivefold.errors import FivefoldError
-from fivefold.fuse.job import build_fusable, load_fused
+from fivefold.jobs.fuse import build_fusable, load_fused
 
 
 def test_fuse_cnn_writes_a_loadable_directory(tmp_path, capsys):

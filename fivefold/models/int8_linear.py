@@ -4,7 +4,7 @@ Kernel per scheme, chosen by ``benchmarks/int8_kernels.py`` on a 2-core AVX-512 
 machine (sums over SmolLM2's projection shapes, speed-up against the float32
 oneDNN-packed linear). The W8A8 library kernels run only where they are exact on this
 CPU (VNNI); elsewhere W8A8 runs our exact ``fivefold::int8_int8_matmul``
-(``fivefold.quant.int8_backends.w8a8_kernel``). The kernel a module runs shows in its repr
+(``fivefold.models.int8_backends.w8a8_kernel``). The kernel a module runs shows in its repr
 (``kernel=...``) and in the quantize report.
 
 | scheme, activations | kernel | 1 row | 8 rows | 32 rows |
@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
 from fivefold.kernels import int8_ops
-from fivefold.quant.config import Int8Config
-from fivefold.quant.int8_backends import (
+from fivefold.errors import FivefoldError
+from fivefold.models.int8_backends import (
     EXACT_FALLBACK,
     EXACT_KERNEL,
     onednn_prepack,
@@ -44,10 +45,56 @@ from fivefold.quant.int8_backends import (
     w8a8_kernel,
     w8a8_onednn,
 )
-from fivefold.quant.primitives import activation_qparams, quantize_activation, quantize_weight
+from fivefold.models.int8_primitives import activation_qparams, quantize_activation, quantize_weight
+
+SCHEMES = ("w8a16", "w8a8")
+WEIGHT_GRANULARITIES = ("per-channel", "per-tensor")
+ACTIVATION_MODES = ("dynamic", "static")
+ACTIVATION_GRANULARITIES = ("per-token", "per-tensor")
 
 SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 batches
+
+
+@dataclass(frozen=True)
+class Int8Format:
+    """What an int8 layer stores and computes (the served form, as a checkpoint names it).
+
+    scheme: "w8a16" (int8 weights, float activations) or "w8a8" (both int8, int32 accumulation).
+    weight_granularity: one symmetric scale per output channel, or one per tensor.
+    activation (w8a8): "dynamic" (scales computed per call) or "static" (a scale and zero
+        point fixed by calibration; per-tensor).
+    activation_granularity (dynamic): "per-token" (one scale per row) or "per-tensor".
+    activation_symmetric (static): False gives an asymmetric range with a zero point.
+
+    :class:`fivefold.quant.config.Int8Config` extends it with how the values are chosen
+    (calibration, bias correction, SmoothQuant, skipped layers).
+    """
+
+    scheme: str = "w8a16"
+    weight_granularity: str = "per-channel"
+    activation: str = "dynamic"
+    activation_granularity: str = "per-token"
+    activation_symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("scheme", self.scheme, SCHEMES),
+                                     ("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES),
+                                     ("activation", self.activation, ACTIVATION_MODES),
+                                     ("activation_granularity", self.activation_granularity, ACTIVATION_GRANULARITIES)):
+            if value not in choices:
+                raise FivefoldError(f"{name} must be one of {', '.join(choices)}, got '{value}'")
+        if self.activation == "static" and self.activation_granularity == "per-token":
+            object.__setattr__(self, "activation_granularity", "per-tensor")  # static scales are per tensor
+
+    @property
+    def is_static(self) -> bool:
+        return self.scheme == "w8a8" and self.activation == "static"
+
+    @classmethod
+    def of(cls, config: dict) -> "Int8Format":
+        """The format fields of a config dict (an ``Int8Config.to_dict()``); other keys are ignored."""
+        return cls(**{f.name: config[f.name] for f in fields(cls) if f.name in config})
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
@@ -65,7 +112,7 @@ class Int8Linear(nn.Module):
     derived on first use and never saved.
     """
 
-    def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Config) -> None:
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Format) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.activation = config.scheme, config.activation
@@ -79,7 +126,7 @@ class Int8Linear(nn.Module):
         self._prepared: dict | None = None
 
     @classmethod
-    def from_float(cls, linear: nn.Module, config: Int8Config, clip_range: tuple[float, float] | None = None,
+    def from_float(cls, linear: nn.Module, config: Int8Format, clip_range: tuple[float, float] | None = None,
                    bias_shift: torch.Tensor | None = None) -> "Int8Linear":
         w = dense_weight(linear)
         bias = getattr(linear, "bias", None)
@@ -114,7 +161,7 @@ class Int8Linear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs on this CPU (see :func:`fivefold.quant.int8_backends.w8a8_kernel`)."""
+        """The kernel this layer runs on this CPU (see :func:`fivefold.models.int8_backends.w8a8_kernel`)."""
         if self.scheme == "w8a16":
             return "fivefold-w8a16" if int8_ops() is not None else "dequant-tiles"
         return w8a8_kernel(self.activation_mode)
@@ -227,7 +274,7 @@ class Int8Conv2d(nn.Module):
         self.linear = linear
 
     @classmethod
-    def from_float(cls, conv: nn.Conv2d, config: Int8Config, clip_range=None, bias_shift=None) -> "Int8Conv2d":
+    def from_float(cls, conv: nn.Conv2d, config: Int8Format, clip_range=None, bias_shift=None) -> "Int8Conv2d":
         if conv.groups != 1 or conv.padding_mode != "zeros":
             raise ValueError("Int8Conv2d supports groups=1 and zero padding only")
         return cls(conv, Int8Linear.from_float(_ConvAsLinear(conv), config, clip_range, bias_shift))

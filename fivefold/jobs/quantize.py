@@ -1,4 +1,6 @@
-"""``fivefold quantize``: quantize an LLM, measure it against float, write it.
+"""``fivefold quantize``: quantize an LLM, measure it against float, write it; and the one
+quantization recipe (:func:`quantize_loaded`) that the CLI, the demo's and the benchmarks'
+quantized rows run.
 
 Held-out perplexity (pydoc_data's held-out part, ``num_eval`` windows of ``window``
 tokens), next-token accuracy on the same windows, and decode tokens/s at batch 1 and
@@ -15,18 +17,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.eval.language import (
-    decode_speed,
-    language_metrics,
-    llm_forward,
-    next_token_accuracy,
-    perplexity,
-    served_model,
-)
+from fivefold.eval.language import decode_speed, language_metrics, next_token_accuracy, perplexity, served_model
 from fivefold.eval.text import text_windows
+from fivefold.models.forward import llm_forward
+from fivefold.models.int8_linear import Int8Linear, kernels_used
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
-from fivefold.quant.linear import Int8Linear, kernels_used
+from fivefold.quant.quantize import QuantizationResult, quantize_
+
+NUM_CALIBRATION = 16  # calibration windows of the recipe (pydoc_data's calibration part)
+CALIBRATION_WINDOW = 256  # tokens each
+
+
+def calibration_windows(tokenizer, config: Int8Config, num_windows: int = NUM_CALIBRATION,
+                        window: int = CALIBRATION_WINDOW) -> list[list[int]] | None:
+    """The recipe's calibration data for ``config``: None when the config needs none (W8A16)."""
+    return text_windows(tokenizer, "calibration", num_windows, window) if config.uses_calibration else None
+
+
+def quantize_loaded(loaded, config: Int8Config, num_windows: int = NUM_CALIBRATION, window: int = CALIBRATION_WINDOW,
+                    show_progress: bool = True) -> QuantizationResult:
+    """The recipe: quantize ``loaded``'s model in place with ``config`` (calibrated on ``num_windows``
+    windows of ``window`` tokens of the calibration text when the config needs data), recording
+    the config on ``loaded.quantization``."""
+    data = calibration_windows(loaded.tokenizer, config, num_windows, window)
+    result = quantize_(loaded.model, config, data, llm_forward, show_progress=show_progress)
+    loaded.quantization = config.to_dict()
+    return result
 
 
 @dataclass(frozen=True)
@@ -37,9 +54,9 @@ class QuantizeJob:
     mixed_precision: bool = False
     max_ppl_increase: float | None = None  # fraction, 0.005 = +0.5%
     max_accuracy_drop: float | None = None  # percentage points of next-token accuracy
-    num_calibration: int = 16
+    num_calibration: int = NUM_CALIBRATION
     num_eval: int = 8
-    window: int = 256
+    window: int = CALIBRATION_WINDOW
     speed_batches: tuple[int, ...] = (1, 32)
     speed_tokens: int = 48
 
@@ -55,7 +72,7 @@ def build_quantized(job: QuantizeJob, console=None):
 
     Returns (loaded model, int8 module names, names kept float, sensitivity scan or None)."""
     from fivefold.models import load_model
-    from fivefold.quant.quantize import calibrate, quantize_, target_linears
+    from fivefold.quant.quantize import calibrate, target_linears
     from fivefold.quant.quantization_sensitivity import (
         mixed_precision,
         quantization_sensitivity_scan,
@@ -65,9 +82,9 @@ def build_quantized(job: QuantizeJob, console=None):
     loaded = load_model(job.model)
     tok = loaded.tokenizer
     config = job.config
-    data = text_windows(tok, "calibration", job.num_calibration, job.window) if config.uses_calibration else None
     if not job.mixed_precision:
-        return loaded, quantize_(loaded.model, config, data, llm_forward).quantized, [], None
+        return loaded, quantize_loaded(loaded, config, job.num_calibration, job.window).quantized, [], None
+    data = calibration_windows(tok, config, job.num_calibration, job.window)
     # Rank layers on a small held-out sample (one evaluation per layer), decide how many
     # to keep float on a large one (a few evaluations), report on yet other windows.
     float_model = load_model(job.model).model
@@ -75,7 +92,6 @@ def build_quantized(job: QuantizeJob, console=None):
         from fivefold.quant.smoothquant import smooth_
 
         smooth_(float_model, data, llm_forward, config.smoothquant_alpha)
-        float_model.fivefold_smoothed = True
     scan_windows = text_windows(tok, "heldout", 2, 128, seed=1)
     decide_windows = text_windows(tok, "heldout", job.num_eval, job.window, seed=2)
     use_accuracy = job.max_accuracy_drop is not None
@@ -99,6 +115,7 @@ def build_quantized(job: QuantizeJob, console=None):
     model, kept, _ = mixed_precision(lambda: load_model(job.model).model, config, scan, acceptable, decide,
                                      data, llm_forward, ranges=ranges)
     loaded.model = model
+    loaded.quantization = config.to_dict()
     modules = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
     return loaded, modules, kept, scan
 
@@ -108,7 +125,7 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     from rich.console import Console
 
     from fivefold.models import load_model
-    from fivefold.quant.serialization import save_quantized
+    from fivefold.models.loader import save_quantized
 
     console = console or Console(width=130)
     out = Path(job.out)
@@ -126,7 +143,7 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     loaded, modules, kept, scan = build_quantized(job, console)
     quantize_s = time.perf_counter() - start
     config = job.config
-    save_quantized(loaded, config, modules, out, extra={"kept_float": kept})
+    save_quantized(loaded, config.to_dict(), modules, out, extra={"kept_float": kept})
     reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
     quantized = evaluate(reloaded, eval_windows, job)
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fivefold.cli import main
-from fivefold.compress.job import load_compressed
+from fivefold.jobs.compress import load_compressed
 from fivefold.errors import FivefoldError
 from fivefold.models import load_model
 from tests.conftest import save_random_hf_model
