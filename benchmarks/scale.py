@@ -1,0 +1,358 @@
+"""Real-size models on this machine: load time, peak RSS, resident weight bytes and decode speed
+of random-weight Llama models of the shapes users run, fivefold against llama.cpp on the same file.
+
+Shapes (the built-in SmolLM2 tokenizer and its 49,152-token vocabulary, tied embeddings):
+  1b   Llama-3.2-1B: hidden 2048, 16 layers, MLP 8192, 32 heads / 8 KV heads   (1.07B parameters)
+  3b   Llama-3.2-3B: hidden 3072, 28 layers, MLP 8192, 24 / 8                   (3.2B)
+  8b   Llama-3-8B:   hidden 4096, 32 layers, MLP 14336, 32 / 8                  (7.2B)
+
+Each shape is synthesized once (seeded, tensor by tensor: no step holds the model) into
+``~/.cache/fivefold/scale/<shape>/`` in two forms: a bf16 safetensors directory (one shard per
+layer + ``model.safetensors.index.json``) and a GGUF Q8_0 file (the built-in GGUF's tokenizer and
+chat-template metadata, this shape's hyper-parameters, Q8_0 blocks: one fp16 scale per 32
+weights). Random weights are fine for speed and memory; quality is measured on the built-in model.
+
+Each measurement runs in a fresh process (so that one run's memory cannot count for another):
+load time, the OS's peak RSS (VmHWM of /proc/self/status) after loading and at the end, the
+model's resident weight bytes (every distinct tensor storage the serving engine's model holds:
+dense, packed and int8 copies all count), and decode tokens/s at batch 1 and 8 (128-token held-out
+prompts, 64 new tokens, EOS ignored, greedy; prefill excluded). llama.cpp (``~/peers/llamacpp``, see
+``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed.
+
+    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:float32,gguf-q8_0:float32]
+
+Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # hidden, layers, MLP, heads, KV heads
+    "1b": (2048, 16, 8192, 32, 8),
+    "3b": (3072, 28, 8192, 24, 8),
+    "8b": (4096, 32, 14336, 32, 8),
+}
+VOCAB = 49152
+FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "gguf-q8_0:float32")
+PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
+KV_CACHE_BYTES = 512 << 20
+Q8_BLOCK = 32
+LLAMACPP_PYTHON = Path.home() / "peers/llamacpp/bin/python"
+
+
+def cache_dir() -> Path:
+    from fivefold.paths import cache_dir as fivefold_cache
+
+    return fivefold_cache() / "scale"
+
+
+# --- synthesis ------------------------------------------------------------------------------------
+
+def hf_config(shape: str) -> dict:
+    hidden, layers, mlp, heads, kv_heads = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+            "hidden_size": hidden, "intermediate_size": mlp, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+            "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}
+
+
+def layer_shapes(shape: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of one decoder layer's tensors."""
+    hidden, _, mlp, heads, kv_heads = SHAPES[shape]
+    head_dim = hidden // heads
+    p = f"model.layers.{layer}."
+    return {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (mlp, hidden), p + "mlp.up_proj.weight": (mlp, hidden),
+            p + "mlp.down_proj.weight": (hidden, mlp)}
+
+
+def model_tensors(shape: str):
+    """(HF name, shape) groups, one per shard: the embedding and final norm, then each layer."""
+    hidden, layers = SHAPES[shape][0], SHAPES[shape][1]
+    yield "embed", {"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        yield f"layer-{i:03d}", layer_shapes(shape, i)
+
+
+def random_tensor(name: str, shape: tuple[int, ...]):
+    """The same float32 values for the same name in every form (seeded by the name)."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * 0.02
+
+
+def write_hf_directory(shape: str, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from fivefold.models.loader import load_tokenizer
+    from fivefold.models.registry import DEFAULT_LLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard, tensors in model_tensors(shape):
+        file = f"{shard}.safetensors"
+        save_file({n: random_tensor(n, s).to(torch.bfloat16) for n, s in tensors.items()}, str(out / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    load_tokenizer(DEFAULT_LLM)[0].hf.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(hf_config(shape), indent=2))  # last: marks the directory done
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def q8_0_bytes(w) -> "numpy.ndarray":
+    """Q8_0 blocks of a float32 [rows, cols] tensor: per 32 weights an fp16 scale absmax / 127 and
+    32 int8 values, 34 bytes; [rows, cols / 32 * 34] uint8 as ggml stores them."""
+    import torch
+
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-127, 127).to(torch.int8)
+    packed = torch.cat([scale.half().view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [rows, n, 34]
+    return packed.reshape(rows, -1).numpy()
+
+
+def write_gguf_q8_0(shape: str, out: Path) -> None:
+    """A llama GGUF with the built-in file's tokenizer metadata, streamed tensor by tensor."""
+    import gguf
+    import numpy as np
+
+    from fivefold.models.registry import DEFAULT_LLM, resolve_model_path
+
+    hidden, layers, mlp, heads, kv_heads = SHAPES[shape]
+    source = gguf.GGUFReader(str(resolve_model_path(DEFAULT_LLM)))
+    tmp = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name(f"fivefold-scale-{shape}")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(mlp)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            types = field.types
+            if types[0] == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value) if types[-1] == gguf.GGUFValueType.STRING else \
+                    writer.add_key_value(key, value, types[0], sub_type=types[-1])
+            else:
+                writer.add_key_value(key, value, types[0])
+    specs = [(n, s) for _, tensors in model_tensors(shape) for n, s in tensors.items()]
+    for name, s in specs:
+        if len(s) == 1:
+            writer.add_tensor_info(gguf_name(name), s, np.dtype(np.float32), s[0] * 4)
+        else:
+            nbytes = s[0] * s[1] // Q8_BLOCK * (Q8_BLOCK + 2)
+            writer.add_tensor_info(gguf_name(name), (s[0], s[1] // Q8_BLOCK * (Q8_BLOCK + 2)), np.dtype(np.uint8),
+                                   nbytes, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, s in specs:
+        w = random_tensor(name, s)
+        writer.write_tensor_data(w.numpy() if len(s) == 1 else q8_0_bytes(w))
+    writer.close()
+    tmp.rename(out)
+
+
+def synthesize(shape: str, console) -> dict[str, Path]:
+    root = cache_dir() / shape
+    hf, q8 = root / "bf16", root / f"scale-{shape}-q8_0.gguf"
+    if not (hf / "config.json").exists():
+        console.print(f"synthesizing {shape}: bf16 safetensors -> {hf}")
+        write_hf_directory(shape, hf)
+    if not q8.exists():
+        console.print(f"synthesizing {shape}: GGUF Q8_0 -> {q8}")
+        root.mkdir(parents=True, exist_ok=True)
+        write_gguf_q8_0(shape, q8)
+    return {"bf16-dir": hf, "gguf-q8_0": q8}
+
+
+# --- measurement, each in its own process ----------------------------------------------------------
+
+FIVEFOLD_CHILD = r"""
+import json, sys, time
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+path, dtype, prompt_len, new_tokens, batches, kv_bytes = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), json.loads(sys.argv[5]), int(sys.argv[6])
+from fivefold.llm import LLM
+from fivefold.sampling_params import SamplingParams
+from fivefold.eval.language import decode_rate
+from fivefold.eval.text import corpus_ids, corpus_prompts
+start = time.perf_counter()
+llm = LLM(path, dtype=dtype, max_num_seqs=max(batches), kv_cache_memory_bytes=kv_bytes)
+load_s = time.perf_counter() - start
+rss_load = peak_rss()
+storages = {}
+def count(t):
+    try:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # oneDNN's packed (opaque) tensors
+        storages[id(t)] = t.numel() * t.element_size()
+for model in (llm.loaded.model, llm.engine.runner.model):  # the loaded weights and the serving view
+    for t in list(model.parameters()) + list(model.buffers()):
+        count(t)
+    for m in model.modules():  # packed copies held as plain attributes
+        for v in vars(m).values():
+            if hasattr(v, "untyped_storage") and not getattr(v, "is_meta", False):
+                count(v)
+prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), max(batches), prompt_len, seed=0)
+params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # first-call costs
+speed = {f"decode_tok_s_batch{b}": decode_rate(llm.generate(prompts[:b], params)) for b in batches}
+print(json.dumps({"load_s": load_s, "peak_rss_load": rss_load, "peak_rss": peak_rss(),
+                  "weight_bytes": sum(storages.values()), **speed}))
+"""
+
+LLAMACPP_CHILD = r"""
+import json, sys, time
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+from llama_cpp import Llama
+path, prompt, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+start = time.perf_counter()
+llm = Llama(model_path=path, n_threads=2, n_ctx=512, verbose=False)
+load_s = time.perf_counter() - start
+rss_load = peak_rss()
+eos = llm.token_eos()
+def no_eos(ids, logits):
+    logits[eos] = -float("inf")
+    return logits
+from llama_cpp import LogitsProcessorList
+times = []
+for token in llm.generate(prompt, temp=0, top_k=1, logits_processor=LogitsProcessorList([no_eos])):
+    times.append(time.perf_counter())
+    if len(times) == new_tokens:
+        break
+llm.reset()
+print(json.dumps({"load_s": load_s, "peak_rss_load": rss_load, "peak_rss": peak_rss(),
+                  "decode_tok_s_batch1": (len(times) - 1) / (times[-1] - times[0])}))
+"""
+
+
+def run_child(argv: list[str], timeout: int = 3600) -> dict:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_fivefold(path: Path, dtype: str) -> dict:
+    return run_child([sys.executable, "-c", FIVEFOLD_CHILD, str(path), dtype, str(PROMPT_LEN), str(NEW_TOKENS),
+                      json.dumps(list(BATCHES)), str(KV_CACHE_BYTES)])
+
+
+def measure_llamacpp(path: Path) -> dict:
+    from fivefold.eval.text import corpus_ids, corpus_prompts
+    from fivefold.models.loader import load_tokenizer
+    from fivefold.models.registry import DEFAULT_LLM
+
+    tokenizer = load_tokenizer(DEFAULT_LLM)[0]
+    prompt = corpus_prompts(corpus_ids(tokenizer, "heldout"), 1, PROMPT_LEN, seed=0)[0]
+    return run_child([str(LLAMACPP_PYTHON), "-c", LLAMACPP_CHILD, str(path), json.dumps(prompt), str(NEW_TOKENS)])
+
+
+def gb(n) -> str:
+    return f"{n / 1e9:.2f}" if isinstance(n, (int, float)) else "-"
+
+
+def main() -> int:
+    from rich.console import Console
+
+    from fivefold.bench.report import json_line, results_table
+    from fivefold.platform import current_platform
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated FORM:DTYPE, of {', '.join(FORMS)}")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    forms = [f for f in args.forms.split(",") if f]
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape '{s}'; choose from {', '.join(SHAPES)}")
+    for f in forms:
+        if f not in FORMS:
+            ap.error(f"unknown form '{f}'; choose from {', '.join(FORMS)}")
+    console = Console(width=150)
+    results = []
+    for shape in shapes:
+        files = synthesize(shape, console)
+        for form in forms:
+            source, dtype = form.split(":")
+            console.print(f"  fivefold {shape} {form} ...")
+            results.append({"shape": shape, "system": "fivefold", "form": form,
+                            "file_bytes": sum(p.stat().st_size for p in files[source].glob("*.safetensors"))
+                            if files[source].is_dir() else files[source].stat().st_size,
+                            **measure_fivefold(files[source], dtype)})
+        if LLAMACPP_PYTHON.exists() and not args.no_llamacpp:
+            console.print(f"  llama.cpp {shape} gguf-q8_0 ...")
+            results.append({"shape": shape, "system": "llama.cpp", "form": "gguf-q8_0",
+                            "file_bytes": files["gguf-q8_0"].stat().st_size, **measure_llamacpp(files["gguf-q8_0"])})
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), r["error"][:60], "", "", "", "", ""))
+            continue
+        rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), f"{r['load_s']:.1f}",
+                     gb(r["peak_rss_load"]), gb(r["peak_rss"]), gb(r.get("weight_bytes")),
+                     f"{r['decode_tok_s_batch1']:.1f}",
+                     f"{r['decode_tok_s_batch8']:.1f}" if "decode_tok_s_batch8" in r else "-"))
+    isa = current_platform().isa_level
+    console.print(results_table(f"real-size random-weight Llama shapes, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new "
+                                f"tokens ({isa}, {os.cpu_count()} cores)",
+                                ("shape", "system", "form:dtype", "file GB", "load s", "peak RSS load GB",
+                                 "peak RSS GB", "weights GB", "tok/s b1", "tok/s b8"), rows))
+    print(json_line({"benchmark": "scale", "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
