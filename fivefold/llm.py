@@ -6,8 +6,9 @@ from typing import Iterator, Sequence as Seq
 
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.llm_engine import LLMEngine
+from fivefold.engine.memory_plan import check_fits
 from fivefold.engine.outputs import RequestOutput
-from fivefold.models.loader import LoadedModel, load_model
+from fivefold.models.loader import LoadedModel, load_model, parse_dtype
 from fivefold.models.registry import DEFAULT_LLM
 from fivefold.sampling_params import SamplingParams
 
@@ -25,8 +26,14 @@ class LLM:
                  draft: LoadedModel | None = None, **engine_options) -> None:
         """``engine_options``: EngineConfig's fields (e.g. ``speculative="ngram"``). ``draft``: an
         already loaded draft model for ``speculative="draft"`` (else ``draft_model`` is loaded)."""
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(**engine_options), draft=draft)
+        config = EngineConfig.from_options(**engine_options)
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:  # refused before any weight is read when model + KV pool + runtime cannot fit in RAM
+            torch_dtype = parse_dtype(dtype)
+            self.loaded = load_model(model, torch_dtype, lambda c, is_int8: check_fits(
+                model, c.num_parameters(), torch_dtype, config, is_int8))
+        self.engine = LLMEngine(self.loaded, config, draft=draft)
         self.tokenizer = self.loaded.tokenizer
 
     def generate(

@@ -49,6 +49,7 @@ def run(args) -> int:
         from fivefold.bench.recipes import run_offline_and_record
         from fivefold.bench.offline_bench import make_config
 
+        common.set_threads(args)
         config = make_config(args.model, args.dtype, args.workload, args.num_requests, args.input_len,
                              args.output_len, args.prefix_len, args.seed, **common.engine_options(args))
         return run_offline_and_record(config, args.registry)

@@ -18,6 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache pool as a share of the available RAM, in (0, 1] (instead of bytes)")
     p.add_argument("--kv-cache-memory", dest="renamed_kv_cache_memory", default=None, help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output of one request (default: the model's context)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's, one per core)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -70,7 +73,7 @@ def engine_options(args) -> dict:
         raise FivefoldError("--kv-cache-memory was split in two: --kv-cache-memory-bytes B or "
                             "--kv-cache-memory-fraction F (a share of the available RAM, in (0, 1])")
     return dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 preallocation=args.preallocation, weight_layout=args.weight_layout,
                 decode_attention=args.decode_attention, hot_path=args.hot_path,
@@ -81,7 +84,18 @@ def engine_options(args) -> dict:
                 grammar_budget_s=args.grammar_budget)
 
 
+def set_threads(args) -> None:
+    """``--threads``: torch's compute threads, before any model work."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FivefoldError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def llm(args):
     from fivefold.llm import LLM
 
+    set_threads(args)
     return LLM(args.model, dtype=args.dtype, **engine_options(args))

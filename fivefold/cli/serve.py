@@ -106,7 +106,8 @@ def _server_config(args):
                         result_cache=args.result_cache if args.result_cache_entries > 0 else None,
                         result_cache_entries=args.result_cache_entries, result_cache_bytes=args.result_cache_bytes,
                         prompt_version=args.prompt_version, cache_namespace=args.cache_namespace,
-                        redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes)
+                        redis_configure_lru=args.redis_configure_lru, max_body_bytes=args.max_body_bytes,
+                        num_threads=args.threads)
 
 
 def _serve_replicas(args, spec) -> int:

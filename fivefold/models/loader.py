@@ -15,7 +15,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -156,13 +156,19 @@ def warn_if_slow_dtype(dtype: torch.dtype) -> None:
                       f"AVX512-BF16/AMX); --dtype float32 is faster here", stacklevel=3)
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load a built-in name, Hugging Face directory or GGUF file for serving."""
+def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
+               before_weights: Callable[[ModelConfig, bool], None] | None = None) -> LoadedModel:
+    """Load a built-in name, Hugging Face directory or GGUF file for serving.
+
+    ``before_weights(config, is_int8)`` runs once the checkpoint's metadata is read and before any
+    weight is (the engine's memory plan refuses a model that cannot fit there)."""
     torch_dtype = parse_dtype(dtype)
     warn_if_slow_dtype(torch_dtype)
     path = resolve_model_path(name_or_path)
     fmt, location = find_checkpoint(path)
     config, tokenizer, reader = _config_and_tokenizer(fmt, location)
+    if before_weights is not None:
+        before_weights(config, fmt == "hf" and quantization_config(location) is not None)
     if fmt == "gguf":
         from fivefold.models.gguf_file import gguf_tensors
 
