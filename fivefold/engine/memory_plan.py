@@ -102,7 +102,8 @@ def check_fits(name: str, num_parameters: int, dtype: torch.dtype, config: Engin
     if plan.kv_cache_bytes > (256 << 20) and room >= (256 << 20):
         options.append(f"a KV pool under {_gb(room)} (--kv-cache-memory-bytes)")
     if not is_int8 and plan_memory(num_parameters, dtype, config, True, plan.available_bytes).fits:
-        options.append("int8 weights (fivefold quantize --scheme w8a16, then serve its directory)")
+        options.append("int8 weights (a directory from fivefold quantize --scheme w8a16, which today loads the "
+                       "float model whole: run it where that fits)")
     raise FivefoldError(
         f"{name} does not fit: {num_parameters / 1e9:.2f}B parameters need about {_gb(plan.total_bytes)} "
         f"(weights {_gb(plan.weight_bytes)} = {plan.bytes_per_parameter:g} bytes x {plan.copies} copies, loading "

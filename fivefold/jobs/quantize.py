@@ -122,14 +122,20 @@ def build_quantized(job: QuantizeJob, console=None):
 
 def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     """Float baseline, quantize (optionally mixed precision), int8 measurements, save; return the report."""
+    import torch
     from rich.console import Console
 
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.memory_plan import check_fits
     from fivefold.models import load_model
     from fivefold.models.loader import save_quantized
 
     console = console or Console(width=130)
     out = Path(job.out)
-    float_loaded = load_model(job.model)
+    # The float model is loaded (and served for the baseline) whole today: refuse one that cannot fit
+    # before reading it, rather than be killed by the OS half-way.
+    float_loaded = load_model(job.model, before_weights=lambda c, is_int8: check_fits(
+        job.model, c.num_parameters(), torch.float32, EngineConfig(), is_int8))
     if job.window > float_loaded.config.max_model_len:
         from fivefold.errors import FivefoldError
 
