@@ -167,14 +167,14 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
     path = resolve_model_path(name_or_path)
     fmt, location = find_checkpoint(path)
     config, tokenizer, reader = _config_and_tokenizer(fmt, location)
+    qconfig = quantization_config(location) if fmt == "hf" else None  # read config.json once
     if before_weights is not None:
-        before_weights(config, fmt == "hf" and quantization_config(location) is not None)
+        before_weights(config, qconfig is not None)
     if fmt == "gguf":
         from fivefold.models.gguf_file import gguf_tensors
 
         weights = gguf_tensors(reader, config)
     else:
-        qconfig = quantization_config(location)
         if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
             model = load_quantized_model(location, config, torch_dtype, qconfig)
             return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, qconfig["config"])
