@@ -6,7 +6,7 @@ from typing import Iterator, Sequence as Seq
 
 from fivefold.engine.config import EngineConfig
 from fivefold.engine.llm_engine import LLMEngine
-from fivefold.engine.memory_plan import check_fits
+from fivefold.engine.memory_plan import planned_form
 from fivefold.engine.outputs import RequestOutput
 from fivefold.models.loader import LoadedModel, load_model, parse_dtype
 from fivefold.models.registry import DEFAULT_LLM
@@ -23,16 +23,27 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel = DEFAULT_LLM, dtype: str = "float32",
-                 draft: LoadedModel | None = None, **engine_options) -> None:
+                 draft: LoadedModel | None = None, quantization: str | None = None, **engine_options) -> None:
         """``engine_options``: EngineConfig's fields (e.g. ``speculative="ngram"``). ``draft``: an
-        already loaded draft model for ``speculative="draft"`` (else ``draft_model`` is loaded)."""
+        already loaded draft model for ``speculative="draft"`` (else ``draft_model`` is loaded).
+        ``quantization="w8a16"``: int8 weights quantized tensor by tensor while loading (as
+        ``fivefold quantize --scheme w8a16`` writes them, without the float model in memory).
+
+        Given a name or path, the engine owns the model: it is loaded tensor by tensor straight into
+        the served layout (one copy of every weight). Given a :class:`LoadedModel`, the caller keeps
+        its dense weights and the engine serves a packed view beside them."""
         config = EngineConfig.from_options(**engine_options)
         if isinstance(model, LoadedModel):
+            if quantization is not None:
+                from fivefold.errors import FivefoldError
+
+                raise FivefoldError("quantization= applies while loading: pass a model name or path, or quantize "
+                                    "the LoadedModel with fivefold.quant.quantize_")
             self.loaded = model
         else:  # refused before any weight is read when model + KV pool + runtime cannot fit in RAM
             torch_dtype = parse_dtype(dtype)
-            self.loaded = load_model(model, torch_dtype, lambda c, is_int8: check_fits(
-                model, c.num_parameters(), torch_dtype, config, is_int8))
+            self.loaded = load_model(model, torch_dtype, planned_form(model, torch_dtype, config, quantization),
+                                     quantization=quantization, weight_layout=config.weight_layout)
         self.engine = LLMEngine(self.loaded, config, draft=draft)
         self.tokenizer = self.loaded.tokenizer
 

@@ -64,12 +64,25 @@ def prepared_model(config: dict, loaded=None):
     (:func:`fivefold.jobs.quantize.quantize_loaded`) if the config asks."""
     from fivefold.models import load_model
 
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.memory_plan import planned_form
+    from fivefold.models.loader import parse_dtype
+    from fivefold.quant.config import Int8Config
+
     wanted = config.get("quantization")
     if loaded is None or (loaded.quantization is not None and loaded.quantization != wanted):
-        loaded = load_model(config["model"], config["dtype"])
+        on_load = wanted is not None and wanted == Int8Config(scheme="w8a16").to_dict()
+        # plain W8A16 needs no data: quantized tensor by tensor while loading (the same int8 values)
+        # loaded as the engine serves it (one copy of every weight), refused if it cannot fit
+        engine = EngineConfig.from_options(**config["engine"])
+        quantization = "w8a16" if on_load else None
+        dtype = parse_dtype(config["dtype"])
+        loaded = load_model(config["model"], dtype, planned_form(config["model"], dtype, engine, quantization),
+                            quantization=quantization, weight_layout=engine.weight_layout)
+        if on_load:
+            loaded.quantization = wanted
     if wanted is not None and loaded.quantization is None:
         from fivefold.jobs.quantize import quantize_loaded
-        from fivefold.quant.config import Int8Config
 
         quantize_loaded(loaded, Int8Config.from_dict(wanted), show_progress=False)
     return loaded

@@ -50,8 +50,14 @@ def run(args) -> int:
         from fivefold.bench.offline_bench import make_config
 
         common.set_threads(args)
+        quantization = None
+        if args.quantization is not None:
+            from fivefold.quant.config import Int8Config
+
+            quantization = Int8Config(scheme=args.quantization).to_dict()
         config = make_config(args.model, args.dtype, args.workload, args.num_requests, args.input_len,
-                             args.output_len, args.prefix_len, args.seed, **common.engine_options(args))
+                             args.output_len, args.prefix_len, args.seed, quantization=quantization,
+                             **common.engine_options(args))
         return run_offline_and_record(config, args.registry)
     from fivefold.bench.serve_bench import main as bench_serve
 

@@ -101,6 +101,7 @@ def _server_config(args):
     from fivefold.serve.config import ServerConfig
 
     return ServerConfig(model=args.model, served_model_name=args.served_model_name or args.model, dtype=args.dtype,
+                        quantization=args.quantization,
                         engine_options=common.engine_options(args), max_queued_requests=args.max_queued_requests,
                         max_queued_tokens=args.max_queued_tokens, queue_timeout=args.queue_timeout,
                         result_cache=args.result_cache if args.result_cache_entries > 0 else None,

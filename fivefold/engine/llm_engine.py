@@ -385,5 +385,7 @@ class LLMEngine:
             "num_reservations_too_small": res.num_too_small,
             "num_reservations_too_large": res.num_too_large,
             "num_reserved_blocks_unused": res.num_unused_blocks,
+            "weight_bytes": self.runner.weight_bytes,
+            "kv_cache_bytes": self.runner.num_blocks * self.config.block_size * self.runner.kv_bytes_per_token,
             **self.spec_stats.as_dict(),
         }

@@ -2,15 +2,14 @@
 the RAM available now? A model that cannot fit is refused in one line naming the sizes and the
 options that would make it fit, instead of being killed by the OS half-way through loading.
 
-The estimate is what the serving engine holds today, measured (``benchmarks/scale.py``, the 1B
-shape: 12.9 GB of resident weights for 4.3 GB of float32 parameters, peak RSS 14.0 GB with a
-512 MiB KV pool): the packed layout keeps every weight three times (the loaded dense tensor,
-oneDNN's packed copy and the streaming kernel's layout), the dense layout is counted twice (the
-dense tensor and the transients of loading), an int8 checkpoint one byte per parameter twice
-(int8 weights and the streaming kernel's copy). Loading adds transients on top (converting and
-packing a tensor at a time): 20% of the weight bytes is planned for them, measured in bfloat16
-(1B shape: peak RSS 8.76 GB for 6.44 GB of resident weights and a 0.54 GB pool; 3B shape: 22.61 GB
-for 17.82 GB and 0.54 GB). Set ``FIVEFOLD_NO_MEMORY_CHECK=1`` to load anyway.
+The weights are counted as the loader holds them (models.assemble: every tensor converted to its
+served form as it is read, one copy): float weights at the served dtype; int8 projections one
+byte per parameter (and 4 bytes per group of 32 for a GGUF Q8_0 file's scales), the embedding
+staying at the served dtype beside an int8 LM head. The packed layout keeps a second copy of the
+projections in the streaming kernel's layout only where the engine decides it is cheap
+(:func:`wants_stream_copy`: small models). Loading's transients are a few copies of the largest
+tensor in float32 (the pieces of a fused projection, their concatenation, the quantizer's
+working copy). Set ``FIVEFOLD_NO_MEMORY_CHECK=1`` to load anyway.
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ import torch
 
 from fivefold.engine.config import EngineConfig, available_memory_bytes
 from fivefold.errors import FivefoldError
+from fivefold.models.assemble import ServedForm
+from fivefold.models.config import ModelConfig
 
 RUNTIME_BYTES = 1 << 30  # torch, oneDNN's scratch, the tokenizer, activations of a step
-LOAD_MARGIN = 0.20  # loading's transients, as a share of the weight bytes
-LAYOUT_COPIES = {"packed": 3, "dense": 2}
-INT8_COPIES = 2
+LOAD_COPIES = 3  # float32 copies of the largest tensor alive while it is converted
+STREAM_COPY_MAX_BYTES = 1 << 30  # the streaming kernel's second copy: only for models this small
+GROUP_SCALE_BYTES = 4 / 32  # a float32 scale per 32 int8 weights (GGUF Q8_0 kept as it is)
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,13 @@ class MemoryPlan:
     """Bytes the engine will hold for one model, against what is available."""
 
     num_parameters: int
-    bytes_per_parameter: float
-    copies: int
+    weight_bytes: int
+    load_bytes: int  # transients while loading (a tensor converted at a time)
     kv_cache_bytes: int
     available_bytes: int
+    stream_copy: bool  # whether packed projections also keep the streaming kernel's copy
+    describe: str  # how the weight bytes are counted, for the refusal message
     runtime_bytes: int = RUNTIME_BYTES
-
-    @property
-    def weight_bytes(self) -> int:
-        return int(self.num_parameters * self.bytes_per_parameter * self.copies)
-
-    @property
-    def load_bytes(self) -> int:
-        """Transients while loading (a tensor converted and packed at a time)."""
-        return int(self.weight_bytes * LOAD_MARGIN)
 
     @property
     def total_bytes(self) -> int:
@@ -58,56 +52,89 @@ class MemoryPlan:
         return self.total_bytes <= self.available_bytes
 
 
-def plan_memory(num_parameters: int, dtype: torch.dtype, config: EngineConfig, is_int8: bool = False,
-                available_bytes: int | None = None) -> MemoryPlan:
-    """The plan of a model of ``num_parameters`` served in ``dtype`` with ``config`` (``is_int8``: a
-    quantized checkpoint, its projections int8)."""
-    if is_int8:
-        per_parameter, copies = 1.0, INT8_COPIES
-    else:
-        per_parameter, copies = torch.empty(0, dtype=dtype).element_size(), LAYOUT_COPIES[config.weight_layout]
+def _weight_bytes(model: ModelConfig, dtype: torch.dtype, is_int8: bool, grouped: bool) -> tuple[int, int, str]:
+    """(weight bytes without the streaming copy, the projections' float bytes, description)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    embed = model.vocab_size * model.hidden_size
+    projections = model.num_parameters() - embed * (1 if model.is_tied_embeddings else 2)
+    if is_int8:  # every projection and the LM head int8, the embedding looked up at the served dtype
+        per_int8 = 1 + (GROUP_SCALE_BYTES if grouped else 0)
+        int8 = (projections + embed) * per_int8
+        return int(int8 + embed * size), 0, f"{(projections + embed) / 1e9:.2f}B int8 + embedding {_gb(embed * size)}"
+    head = 0 if model.is_tied_embeddings else embed
+    return model.num_parameters() * size, (projections + head) * size, f"{size} bytes x {model.num_parameters() / 1e9:.2f}B"
+
+
+def wants_stream_copy(model: ModelConfig, dtype: torch.dtype, config: EngineConfig, is_int8: bool = False,
+                      available_bytes: int | None = None) -> bool:
+    """Whether packed float projections also keep the streaming kernel's copy: ``stream_copy="on"``,
+    or ``"auto"`` where that copy costs under 1 GiB and under an eighth of the available memory
+    (SmolLM2 in float32: 0.5 GB, kept; a 1B model: 4.3 GB, one copy). The copy makes decode at 1-4
+    rows 20-30% faster (models.layers.PackedLinear), at twice the projections' memory."""
+    if is_int8 or config.weight_layout != "packed" or config.stream_copy == "off":
+        return False
+    if config.stream_copy == "on":
+        return True
     available = available_memory_bytes() if available_bytes is None else available_bytes
+    extra = _weight_bytes(model, dtype, False, False)[1]
+    return extra <= min(STREAM_COPY_MAX_BYTES, available // 8)
+
+
+def plan_memory(model: ModelConfig, dtype: torch.dtype, config: EngineConfig, is_int8: bool = False,
+                available_bytes: int | None = None, grouped: bool = False) -> MemoryPlan:
+    """The plan of ``model`` served in ``dtype`` with ``config`` (``is_int8``: its projections int8,
+    from a quantized checkpoint, a Q8_0 GGUF (``grouped``) or quantization on load)."""
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    weights, extra, describe = _weight_bytes(model, dtype, is_int8, grouped)
+    stream_copy = wants_stream_copy(model, dtype, config, is_int8, available)
+    if stream_copy:
+        weights += extra
+        describe += " + the streaming copy"
+    largest = max(2 * model.intermediate_size, model.vocab_size, model.q_size + 2 * model.kv_size) * model.hidden_size
+    load = LOAD_COPIES * largest * 4
     kv = config.kv_cache_bytes()
     if config.kv_cache_memory_fraction is not None:  # a share of what is left once the weights are in
-        weights = num_parameters * per_parameter * copies
-        kv = int(config.kv_cache_memory_fraction * max(0, available - weights * (1 + LOAD_MARGIN) - RUNTIME_BYTES))
-    return MemoryPlan(num_parameters, per_parameter, copies, kv, available)
+        kv = int(config.kv_cache_memory_fraction * max(0, available - weights - load - RUNTIME_BYTES))
+    return MemoryPlan(model.num_parameters(), int(weights), load, kv, available, stream_copy, describe)
 
 
-def _gb(n: int) -> str:
+def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def check_fits(name: str, num_parameters: int, dtype: torch.dtype, config: EngineConfig, is_int8: bool = False,
-               available_bytes: int | None = None) -> MemoryPlan:
-    """The plan, or a FivefoldError naming the sizes and what would fit (a smaller dtype, the
-    dense layout, a smaller KV pool, int8 weights)."""
-    plan = plan_memory(num_parameters, dtype, config, is_int8, available_bytes)
+def check_fits(name: str, model: ModelConfig, dtype: torch.dtype, config: EngineConfig, is_int8: bool = False,
+               available_bytes: int | None = None, grouped: bool = False) -> MemoryPlan:
+    """The plan, or a FivefoldError naming the sizes and what would fit (a smaller dtype, int8
+    weights quantized on load, a smaller KV pool)."""
+    plan = plan_memory(model, dtype, config, is_int8, available_bytes, grouped)
     if plan.fits or os.environ.get("FIVEFOLD_NO_MEMORY_CHECK") == "1":
         return plan
     options = []
     candidates = []
     if not is_int8 and dtype == torch.float32:
-        candidates.append(("--dtype bfloat16", torch.bfloat16, config))
-    if not is_int8 and config.weight_layout == "packed":
-        candidates.append(("--weight-layout dense", dtype, replace(config, weight_layout="dense")))
-        if dtype == torch.float32:
-            candidates.append(("--dtype bfloat16 --weight-layout dense", torch.bfloat16,
-                               replace(config, weight_layout="dense")))
-    for label, d, c in candidates:
-        alt = plan_memory(num_parameters, d, c, is_int8, plan.available_bytes)
+        candidates.append(("--dtype bfloat16", torch.bfloat16, False))
+    if not is_int8:
+        candidates.append(("--quantization w8a16", dtype, True))
+    for label, d, int8 in candidates:
+        alt = plan_memory(model, d, config, int8, plan.available_bytes)
         if alt.fits:
             options.append(f"{label} ({_gb(alt.total_bytes)})")
-    room = plan.available_bytes - plan.weight_bytes - plan.runtime_bytes
+    room = plan.available_bytes - plan.weight_bytes - plan.load_bytes - plan.runtime_bytes
     if plan.kv_cache_bytes > (256 << 20) and room >= (256 << 20):
         options.append(f"a KV pool under {_gb(room)} (--kv-cache-memory-bytes)")
-    if not is_int8 and plan_memory(num_parameters, dtype, config, True, plan.available_bytes).fits:
-        options.append("int8 weights (a directory from fivefold quantize --scheme w8a16, which today loads the "
-                       "float model whole: run it where that fits)")
     raise FivefoldError(
-        f"{name} does not fit: {num_parameters / 1e9:.2f}B parameters need about {_gb(plan.total_bytes)} "
-        f"(weights {_gb(plan.weight_bytes)} = {plan.bytes_per_parameter:g} bytes x {plan.copies} copies, loading "
-        f"{_gb(plan.load_bytes)}, KV pool "
+        f"{name} does not fit: {plan.num_parameters / 1e9:.2f}B parameters need about {_gb(plan.total_bytes)} "
+        f"(weights {_gb(plan.weight_bytes)} = {plan.describe}, loading {_gb(plan.load_bytes)}, KV pool "
         f"{_gb(plan.kv_cache_bytes)}, runtime {_gb(plan.runtime_bytes)}) but {_gb(plan.available_bytes)} are "
         f"available; would fit: {'; '.join(options) or 'none of the options here'} "
         f"(FIVEFOLD_NO_MEMORY_CHECK=1 loads anyway)")
+
+
+def planned_form(name: str, dtype: torch.dtype, config: EngineConfig, quantization: str | None = None):
+    """The ``before_weights`` hook of :func:`fivefold.models.load_model` for an engine that loads its
+    own model: refuse one that cannot fit (:func:`check_fits`), else load it in the served form the
+    plan chose (``config.weight_layout``, the streaming copy or not, ``quantization``)."""
+    def hook(model: ModelConfig, is_int8: bool, grouped: bool) -> ServedForm:
+        plan = check_fits(name, model, dtype, config, is_int8 or quantization is not None, grouped=grouped)
+        return ServedForm(dtype, config.weight_layout, plan.stream_copy, quantization)
+    return hook

@@ -54,17 +54,22 @@ def kv_pool_num_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
 def serving_view(model: LlamaForCausalLM, config: EngineConfig) -> LlamaForCausalLM:
     """The model as this runner serves it, prepared once, here, and never in place: a copy of the
     module tree sharing every weight, whose projections are packed (``weight_layout="packed"``:
-    each weight's packed copy made once and shared by every runner, models.layers.packed_linear)
-    and whose hot-path ops run fused or eager as ``hot_path`` says. Another runner of the same
-    loaded model, with other options, sees the model as it was loaded."""
+    each weight's packed copy made once and shared by every runner, models.layers.packed_linear;
+    with the streaming kernel's copy too where memory_plan.wants_stream_copy says so) and whose
+    hot-path ops run fused or eager as ``hot_path`` says. Another runner of the same loaded model,
+    with other options, sees the model as it was loaded. A model loaded packed (the engine loading
+    it itself: one copy of every weight) is served as it was loaded."""
+    from fivefold.engine.memory_plan import wants_stream_copy
     from fivefold.models.layers import PackedLinear, module_tree_copy
 
-    if config.weight_layout == "dense" and any(isinstance(m, PackedLinear) for m in model.modules()):
-        raise FivefoldError("weight_layout='dense' needs the model's dense weights, but its projections were packed "
-                            "in place (pack_for_serving): load the model again")
+    loaded_packed = any(isinstance(m, PackedLinear) for m in model.modules())
+    if config.weight_layout == "dense" and loaded_packed:
+        raise FivefoldError("weight_layout='dense' needs the model's dense weights, but it was loaded packed "
+                            "(one copy of every weight): load it again with weight_layout='dense'")
     view = module_tree_copy(model)
-    if config.weight_layout == "packed":
-        view.pack_for_serving()  # on the copy: only plain nn.Linear modules are swapped
+    if config.weight_layout == "packed" and not loaded_packed:
+        # on the copy: only plain nn.Linear modules are swapped
+        view.pack_for_serving(stream_copy=wants_stream_copy(model.config, model.dtype, config))
     view.set_fused_ops(config.hot_path == "fused")
     return view
 
@@ -80,6 +85,10 @@ class ModelRunner:
         if config.kv_cache_dtype == "int8":
             kv_quant.check_head_dim(model.config.head_dim)  # before any copy or kernel build
         self.model = serving_view(model, config)
+        from fivefold.models.layers import resident_weight_bytes
+
+        # the loaded model's weights and the view's packed layouts (shared ones counted once)
+        self.weight_bytes = resident_weight_bytes(model, self.model)
         model = self.model
         if config.hot_path == "fused":
             fused_ops()  # build or load now, not during the first request

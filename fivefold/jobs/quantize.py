@@ -134,8 +134,8 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     out = Path(job.out)
     # The float model is loaded (and served for the baseline) whole today: refuse one that cannot fit
     # before reading it, rather than be killed by the OS half-way.
-    float_loaded = load_model(job.model, before_weights=lambda c, is_int8: check_fits(
-        job.model, c.num_parameters(), torch.float32, EngineConfig(), is_int8))
+    float_loaded = load_model(job.model, before_weights=lambda c, is_int8, grouped: check_fits(
+        job.model, c, torch.float32, EngineConfig(), is_int8, grouped=grouped))
     if job.window > float_loaded.config.max_model_len:
         from fivefold.errors import FivefoldError
 

@@ -19,8 +19,9 @@
 // and the final norm. The first layer's residual starts at zero, so its add is exact.
 //
 // A linear is four tensors (an empty tensor stands for "none"): the weight in
-// fivefold::stream_pack's layout (float32, bfloat16 or int8), a per-channel scale (int8 weights),
-// a bias, and the weight for larger batches: oneDNN's packed weight, or the row-major one. Up to
+// fivefold::stream_pack's layout (float32, bfloat16 or int8; empty where the layer keeps one
+// copy, its large-batch weight), a per-channel or per-group scale (int8 weights), a bias, and the
+// weight for larger batches: oneDNN's packed weight, or the row-major one. Up to
 // `stream_max_rows` rows (and for int8 weights always) it runs fivefold::stream_linear; above,
 // oneDNN's packed GEMM, or at::linear on the row-major weight.
 #include <torch/extension.h>
@@ -71,7 +72,7 @@ const Ops& ops() {
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, int64_t stream_max_rows) {
   const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
   if (w.scalar_type() == torch::kInt8) return call(ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
-  if (x.size(0) <= stream_max_rows) {
+  if (w.numel() > 0 && x.size(0) <= stream_max_rows) {  // no streaming copy: the large-batch weight serves
     return call(ops().stream, {x, w, maybe(scale), maybe(bias)})[0].toTensor();
   }
   if (large.is_mkldnn()) {

@@ -1,5 +1,7 @@
 // Weight-streaming linear for decode: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n]
-// for a few activation rows (M = 1..16) and weights of float32, bfloat16 or int8.
+// for a few activation rows (M = 1..16) and weights of float32, bfloat16 or int8. Int8 weights
+// take either one scale per output channel or one per group of G consecutive columns
+// (y[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] * w[n, k]: GGUF's Q8_0 is G = 32).
 //
 // At decode, every weight is read once per step and multiplied by a handful of rows, so the
 // time is the time to stream the weights from DRAM. The kernel is built for that:
@@ -57,6 +59,12 @@ constexpr int64_t kAheadBytes = 4096;
 template <typename T, int R>
 constexpr bool kPrefetches = !(std::is_same_v<T, float> && R == 1);
 
+// Group scales: scale[n * groups + g] for the `steps` column steps of group g (its G / W vectors).
+struct Groups {
+  const float* scale;  // [N, groups] or null (no group scales)
+  int64_t groups, steps;
+};
+
 struct Epilogue {
   const float* scale;  // [N] or null
   const float* bias;   // [N] or null
@@ -65,8 +73,40 @@ struct Epilogue {
 
 // R activation rows x C output channels starting at channel n, whose tile starts at wt and holds,
 // for each of the Kp / kWidth column steps, C vectors of kWidth weights.
+// Group scales multiply each widened weight vector (once, shared by the R rows) instead of a
+// partial sum per group, which would need another R x C accumulators.
 template <typename T, int R, int C>
-inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Epilogue& e) {
+inline void tile_grouped(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Groups& g,
+                         const Epilogue& e) {
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  constexpr int64_t kStep = C * kWidth;
+  const T* p = wt;
+  for (int64_t grp = 0, s = 0; grp < g.groups; ++grp) {
+    Vec sv[C];
+    for (int c = 0; c < C; ++c) sv[c] = vset1(g.scale[(n + c) * g.groups + grp]);
+    for (int64_t j = 0; j < g.steps; ++j, ++s, p += kStep) {
+#if defined(__AVX2__)
+      for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + b, _MM_HINT_T0);
+#endif
+      Vec wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = vmul(vload(p + c * kWidth), sv[c]);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = vload(x + r * K + s * kWidth);
+        for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * N + n + c] = e.apply(vsum(acc[r][c]), n + c);
+}
+
+template <typename T, int R, int C>
+inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Groups& g,
+                 const Epilogue& e) {
+  if (g.scale != nullptr) return tile_grouped<T, R, C>(x, K, wt, n, y, N, g, e);
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
@@ -101,24 +141,26 @@ inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, in
 // All M rows against C channels: groups of kRows rows, then the remainder.
 template <typename T, int C>
 inline void channels(const float* x, int64_t M, int64_t K, const T* wt, int64_t n, float* y, int64_t N,
-                     const Epilogue& e) {
+                     const Groups& g, const Epilogue& e) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<T, kRows, C>(x + m * K, K, wt, n, y + m * N, N, e);
-  for (; m < M; ++m) tile<T, 1, C>(x + m * K, K, wt, n, y + m * N, N, e);
+  for (; m + kRows <= M; m += kRows) tile<T, kRows, C>(x + m * K, K, wt, n, y + m * N, N, g, e);
+  for (; m < M; ++m) tile<T, 1, C>(x + m * K, K, wt, n, y + m * N, N, g, e);
 }
 
 template <typename T>
-void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_t N, float* y, const Epilogue& e) {
+void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_t N, float* y, const Groups& g,
+            const Epilogue& e) {
   const int64_t num_tiles = N / kChannels;  // then one narrower tile of the last N % kChannels channels
   // One parallel region per call; threads split the tiles into contiguous ranges.
 #pragma omp parallel for schedule(static) if (N * K > (1 << 15))
-  for (int64_t t = 0; t < num_tiles; ++t) channels<T, kChannels>(x, M, K, w + t * kChannels * Kp, t * kChannels, y, N, e);
+  for (int64_t t = 0; t < num_tiles; ++t)
+    channels<T, kChannels>(x, M, K, w + t * kChannels * Kp, t * kChannels, y, N, g, e);
   const int64_t n = num_tiles * kChannels;
   const T* wt = w + n * Kp;
   switch (N - n) {  // the narrower last tile
-    case 3: channels<T, 3>(x, M, K, wt, n, y, N, e); break;
-    case 2: channels<T, 2>(x, M, K, wt, n, y, N, e); break;
-    case 1: channels<T, 1>(x, M, K, wt, n, y, N, e); break;
+    case 3: channels<T, 3>(x, M, K, wt, n, y, N, g, e); break;
+    case 2: channels<T, 2>(x, M, K, wt, n, y, N, g, e); break;
+    case 1: channels<T, 1>(x, M, K, wt, n, y, N, g, e); break;
     default: break;
   }
 }
@@ -188,8 +230,9 @@ torch::Tensor stream_unpack(torch::Tensor w) {
 }
 
 // x: [M, K] float32 or bfloat16; w: float32, bfloat16 or int8 from stream_pack ([N, Kp/W, W]);
-// scale: [N] float32 (int8 weights: the per-channel scale) or None; bias: [N] or None.
-// Returns [M, N] in x's dtype.
+// scale: [N] float32 (int8 weights: the per-channel scale), [N, groups] (int8 weights: one scale
+// per group of K / groups columns, a multiple of W, with K a multiple of W) or None; bias: [N] or
+// None. Returns [M, N] in x's dtype.
 torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optional<torch::Tensor>& scale_opt,
                             const c10::optional<torch::Tensor>& bias_opt) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.is_contiguous(),
@@ -205,8 +248,17 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
               "stream_linear: activations must be float32 or bfloat16, got ", out_dtype);
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), K = x.size(1), Kp = w.size(1) * kWidth, N = w.size(0);
-  torch::Tensor scale, bias;
-  if (scale_opt.has_value() && scale_opt->defined()) {
+  torch::Tensor scale, group_scale, bias;
+  Groups g{nullptr, 0, 0};
+  if (scale_opt.has_value() && scale_opt->defined() && scale_opt->dim() == 2) {
+    group_scale = scale_opt->to(torch::kFloat32).contiguous();
+    const int64_t groups = group_scale.size(1);
+    TORCH_CHECK(wt == torch::kInt8 && group_scale.size(0) == N && groups > 0 && K == Kp && K % groups == 0 &&
+                    (K / groups) % kWidth == 0,
+                "stream_linear: group scales need int8 weights, a [", N, ", groups] scale, and K (", K,
+                ") split into groups of a multiple of ", kWidth, " columns; got scale ", scale_opt->sizes());
+    g = Groups{group_scale.data_ptr<float>(), groups, K / groups / kWidth};
+  } else if (scale_opt.has_value() && scale_opt->defined()) {
     scale = scale_opt->to(torch::kFloat32).contiguous();
     TORCH_CHECK(scale.numel() == N, "stream_linear: scale must have ", N, " elements");
   }
@@ -218,14 +270,14 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
   auto y = torch::empty({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (wt == torch::kFloat32) stream(xp, M, K, Kp, w.data_ptr<float>(), N, yp, e);
-  else if (wt == torch::kBFloat16) stream(xp, M, K, Kp, w.data_ptr<bf16>(), N, yp, e);
-  else stream(xp, M, K, Kp, w.data_ptr<int8_t>(), N, yp, e);
+  if (wt == torch::kFloat32) stream(xp, M, K, Kp, w.data_ptr<float>(), N, yp, g, e);
+  else if (wt == torch::kBFloat16) stream(xp, M, K, Kp, w.data_ptr<bf16>(), N, yp, g, e);
+  else stream(xp, M, K, Kp, w.data_ptr<int8_t>(), N, yp, g, e);
   return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);
 }
 
 // W8A16 under its historical name (the profiler shows it apart): float32 x, int8 w from
-// stream_pack, per-channel scale.
+// stream_pack, per-channel [N] or group [N, groups] scales.
 torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                                  const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8 &&

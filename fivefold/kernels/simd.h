@@ -31,6 +31,7 @@ inline Vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
 inline Vec vset1(float a) { return _mm512_set1_ps(a); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
@@ -47,6 +48,7 @@ inline Vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vset1(float a) { return _mm256_set1_ps(a); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline float vsum(Vec a) {
@@ -63,6 +65,7 @@ inline Vec vload(const float* p) { return *p; }
 inline Vec vload(const bf16* p) { return static_cast<float>(*p); }
 inline Vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline float vsum(Vec a) { return a; }
 inline Vec vset1(float a) { return a; }
 inline void vstore(float* p, Vec a) { *p = a; }

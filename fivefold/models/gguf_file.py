@@ -1,12 +1,18 @@
 """GGUF checkpoints: metadata -> ModelConfig, tensors -> Hugging Face-named torch tensors.
 
-Read with the ``gguf`` package; quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the
-rest that ``gguf.quants`` knows) are dequantized to float32 on load.
+Read with the ``gguf`` package through its memory map, one tensor at a time (each tensor's pages
+are released once it is converted). F32, F16 and BF16 tensors come as they are (the loader casts
+them to the served dtype); Q8_0 tensors stay int8 with their scale per block of 32
+(:class:`~fivefold.models.int8_linear.GroupQuantized`, served by the W8A16 kernel with group
+scales); the other block types ``gguf.quants`` knows (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are
+dequantized to float32 until 4-bit kernels serve them, with a one-line note saying so.
 """
 
 from __future__ import annotations
 
+import mmap
 import re
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +21,7 @@ import torch
 
 from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
+from fivefold.models.int8_linear import GroupQuantized
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -126,26 +133,84 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for every tensor of the file."""
-    from gguf import quants
+def gguf_is_int8(reader) -> bool:
+    """Whether the file's projections are Q8_0 (served int8) rather than float or dequantized."""
+    from gguf import GGMLQuantizationType
 
+    kinds = {t.tensor_type for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith("ffn_down.weight")}
+    return kinds == {GGMLQuantizationType.Q8_0}
+
+
+Q8_0_BLOCK = 32  # weights per Q8_0 block, after a float16 scale: 34 bytes
+
+
+def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
+    """Q8_0 blocks -> int8 [N, K] and float32 scales [N, K / 32], no float weights in between."""
+    blocks = np.asarray(data).reshape(-1, 2 + Q8_0_BLOCK)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(*shape[:-1], shape[-1] // Q8_0_BLOCK)
+    q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(shape)
+    return GroupQuantized(torch.from_numpy(q), torch.from_numpy(scale), Q8_0_BLOCK)
+
+
+def _release(reader, tensor) -> None:
+    """Drop the pages of ``tensor`` from the process (they were copied): a load's resident set then
+    holds one source tensor at a time, not the whole file."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(tensor.data_offset + tensor.n_bytes, len(mm))
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def gguf_tensors(reader, config: ModelConfig, path: Path | None = None):
+    """Yield (Hugging Face name, tensor) for every tensor of the file: a torch tensor (F32, F16,
+    BF16 as stored; other block types dequantized to float32) or a GroupQuantized (Q8_0)."""
+    from gguf import GGMLQuantizationType, quants
+
+    where = path.name if path is not None else "GGUF file"
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name.startswith("rope_freqs"):
                 continue  # llama3 scaling factors; llama.cpp-only representation
-            raise ModelLoadError(f"unexpected tensor '{tensor.name}' in GGUF file")
-        array = quants.dequantize(tensor.data, tensor.tensor_type)
+            raise ModelLoadError(f"unexpected tensor '{tensor.name}' in {where}")
         shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
-        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
-        if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
-            array = array.copy()
-        weight = torch.from_numpy(array)
+        kind = tensor.tensor_type
+        if kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
+            weight = _q8_0(tensor.data, shape)
+        elif kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            array = np.asarray(tensor.data)
+            if kind == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the raw 16 bits
+                weight = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+            else:
+                weight = torch.from_numpy(array.copy()).reshape(shape)
+        else:
+            try:
+                array = quants.dequantize(tensor.data, kind)
+            except NotImplementedError:
+                raise ModelLoadError(f"{where}: tensor '{tensor.name}' has block type {kind.name}, which this "
+                                     f"version of the gguf package cannot read") from None
+            weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+            dequantized[kind.name] = dequantized.get(kind.name, 0) + 1
+        _release(reader, tensor)
         # llama.cpp permutes q/k rows of Llama checkpoints only (Qwen uses NeoX RoPE there).
         if config.architecture == "llama":
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-                weight = _unpermute_rope(weight, config.num_heads)
+                weight = _unpermute(weight, config.num_heads)
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-                weight = _unpermute_rope(weight, config.num_kv_heads)
+                weight = _unpermute(weight, config.num_kv_heads)
         yield name, weight
+    if dequantized:
+        kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
+        warnings.warn(f"fivefold: {where}: {kinds} dequantized to float on load (4-bit kernels are not "
+                      f"there yet; Q8_0 stays int8)", stacklevel=2)
+
+
+def _unpermute(weight, num_heads: int):
+    if isinstance(weight, GroupQuantized):
+        return GroupQuantized(_unpermute_rope(weight.q, num_heads), _unpermute_rope(weight.scale, num_heads),
+                              weight.group_size)
+    return _unpermute_rope(weight, num_heads)

@@ -45,10 +45,10 @@ from fivefold.models.int8_backends import (
     w8a8_kernel,
     w8a8_onednn,
 )
-from fivefold.models.int8_primitives import activation_qparams, quantize_activation, quantize_weight
+from fivefold.models.int8_primitives import activation_qparams, dequantize_weight, quantize_activation, quantize_weight
 
 SCHEMES = ("w8a16", "w8a8")
-WEIGHT_GRANULARITIES = ("per-channel", "per-tensor")
+WEIGHT_GRANULARITIES = ("per-channel", "per-tensor", "per-group")
 ACTIVATION_MODES = ("dynamic", "static")
 ACTIVATION_GRANULARITIES = ("per-token", "per-tensor")
 
@@ -61,7 +61,8 @@ class Int8Format:
     """What an int8 layer stores and computes (the served form, as a checkpoint names it).
 
     scheme: "w8a16" (int8 weights, float activations) or "w8a8" (both int8, int32 accumulation).
-    weight_granularity: one symmetric scale per output channel, or one per tensor.
+    weight_granularity: one symmetric scale per output channel, one per tensor, or (W8A16 only)
+        one per group of ``group_size`` consecutive weights of a row (GGUF's Q8_0: 32).
     activation (w8a8): "dynamic" (scales computed per call) or "static" (a scale and zero
         point fixed by calibration; per-tensor).
     activation_granularity (dynamic): "per-token" (one scale per row) or "per-tensor".
@@ -76,6 +77,7 @@ class Int8Format:
     activation: str = "dynamic"
     activation_granularity: str = "per-token"
     activation_symmetric: bool = True
+    group_size: int = 32
 
     def __post_init__(self) -> None:
         for name, value, choices in (("scheme", self.scheme, SCHEMES),
@@ -84,6 +86,10 @@ class Int8Format:
                                      ("activation_granularity", self.activation_granularity, ACTIVATION_GRANULARITIES)):
             if value not in choices:
                 raise FivefoldError(f"{name} must be one of {', '.join(choices)}, got '{value}'")
+        if self.weight_granularity == "per-group" and self.scheme != "w8a16":
+            raise FivefoldError("per-group weight scales are served by the W8A16 kernel only (scheme='w8a16')")
+        if self.group_size < 1:
+            raise FivefoldError(f"group_size must be positive, got {self.group_size}")
         if self.activation == "static" and self.activation_granularity == "per-token":
             object.__setattr__(self, "activation_granularity", "per-tensor")  # static scales are per tensor
 
@@ -97,6 +103,24 @@ class Int8Format:
         return cls(**{f.name: config[f.name] for f in fields(cls) if f.name in config})
 
 
+@dataclass
+class GroupQuantized:
+    """An int8 weight with one scale per group of ``group_size`` columns, as a checkpoint stores it
+    (GGUF's Q8_0: groups of 32 with a float16 scale): ``q`` int8 [N, K], ``scale`` float32
+    [N, K / group_size]. Loaded as a W8A16 :class:`Int8Linear` without passing through float."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight(self.q, self.scale).to(dtype)
+
+
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """The float weight of an nn.Linear or a PackedLinear."""
     unpacked = getattr(linear, "unpacked_weight", None)
@@ -104,12 +128,17 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights [N, K] and a float32 scale per output channel.
+    """A linear layer with int8 weights [N, K] and float32 scales: one per output channel ([N]), or
+    per group of ``group_size`` columns ([N, K / group_size], W8A16 only).
 
     Buffers (the state dict): ``weight`` int8, ``weight_scale``, ``bias`` (float32 or
     absent), ``input_scale`` and ``input_zero_point`` (static activations), ``input_clip``
     (lo, hi; infinite when no range was calibrated). Kernel-specific packed forms are
     derived on first use and never saved.
+
+    One copy of the weights: where W8A16 runs our streaming kernel, the weight is held in the
+    kernel's layout only (the ``weight`` buffer is dropped once packed; :meth:`int8_weight` and the
+    state dict unpack it); the larger-batch path dequantizes tiles from that layout.
     """
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Format) -> None:
@@ -117,8 +146,12 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.activation = config.scheme, config.activation
         self.activation_granularity = config.activation_granularity
+        self.group_size = config.group_size if config.weight_granularity == "per-group" else None
+        if self.group_size is not None and in_features % self.group_size:
+            raise FivefoldError(f"in_features {in_features} is not a multiple of group_size {self.group_size}")
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_features))
+        scale_shape = (out_features,) if self.group_size is None else (out_features, in_features // self.group_size)
+        self.register_buffer("weight_scale", torch.ones(scale_shape))
         self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
         self.register_buffer("input_scale", torch.tensor(1.0))
         self.register_buffer("input_zero_point", torch.tensor(0, dtype=torch.int32))
@@ -132,7 +165,8 @@ class Int8Linear(nn.Module):
         bias = getattr(linear, "bias", None)
         has_bias = bias is not None or bias_shift is not None
         module = cls(w.shape[1], w.shape[0], has_bias, config)
-        q, scales = quantize_weight(w, per_channel=config.weight_granularity == "per-channel")
+        q, scales = quantize_weight(w, per_channel=config.weight_granularity == "per-channel",
+                                    group_size=module.group_size)
         module.weight.copy_(q)
         module.weight_scale.copy_(scales)
         if has_bias:
@@ -184,14 +218,35 @@ class Int8Linear(nn.Module):
                     p["fbgemm"] = torch.ops.quantized.linear_prepack(qw, self.bias)
             elif kernel == "int_mm":
                 p["w_t"] = self.weight.t().contiguous()  # [K, N] for torch._int_mm
-            elif kernel == "fivefold-w8a16":  # fivefold::stream_linear's tile-major layout
+            elif kernel == "fivefold-w8a16":  # fivefold::stream_linear's tile-major layout, the one copy
                 p["stream"] = int8_ops().stream_pack(self.weight)
+                self._buffers["weight"] = None
             elif kernel in (EXACT_KERNEL, EXACT_FALLBACK):
                 p["w_sum"] = self.weight.sum(dim=1, dtype=torch.int32)  # folds the activation zero point
             self._prepared = p
         return self._prepared
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight [N, K], row-major (unpacked into a new tensor when only the kernel's
+        layout is held)."""
+        if self._buffers["weight"] is not None:
+            return self.weight
+        return int8_ops().stream_unpack(self._prepared["stream"])[:, :self.in_features].contiguous()
+
+    def pack_(self) -> "Int8Linear":
+        """Derive the kernel's operands now (the loader calls it so that a tensor's row-major copy is
+        dropped as soon as it is packed, not at the first request)."""
+        self._prepare()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._buffers["weight"] is None:
+            destination[prefix + "weight"] = self.int8_weight()
+
     def _load_from_state_dict(self, *args, **kwargs):
+        if self._buffers["weight"] is None:  # held packed: take a row-major weight again
+            self._buffers["weight"] = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
         self._prepared = None  # new weights: re-derive the packed forms
         super()._load_from_state_dict(*args, **kwargs)
 
@@ -231,17 +286,24 @@ class Int8Linear(nn.Module):
                           self.weight_scale, self.bias)
 
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
-        ops = int8_ops() if x.shape[0] <= SMALL_BATCH else None
-        if ops is not None:
-            return ops.int8_weight_linear(x, self._prepare()["stream"], self.weight_scale, self.bias)
+        p = self._prepare()
+        stream = p.get("stream")
+        if stream is not None and x.shape[0] <= SMALL_BATCH:
+            return int8_ops().int8_weight_linear(x, stream, self.weight_scale, self.bias)
         out = torch.empty(x.shape[0], self.out_features)
-        for n0 in range(0, self.out_features, DEQUANT_TILE):
-            w = self.weight[n0:n0 + DEQUANT_TILE].float() * self.weight_scale[n0:n0 + DEQUANT_TILE, None]
+        for n0 in range(0, self.out_features, DEQUANT_TILE):  # a multiple of the kernel's 4-channel tiles
+            if stream is not None:
+                q = int8_ops().stream_unpack(stream[n0:n0 + DEQUANT_TILE])[:, :self.in_features]
+            else:
+                q = self.weight[n0:n0 + DEQUANT_TILE]
+            w = dequantize_weight(q, self.weight_scale[n0:n0 + DEQUANT_TILE])
             out[:, n0:n0 + DEQUANT_TILE] = x @ w.t()
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
         act = "" if self.scheme == "w8a16" else f", activation={self.activation} {self.activation_granularity}"
+        if self.group_size is not None:
+            act += f", group_size={self.group_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{act}, "
                 f"bias={self.bias is not None}, clipped={self.is_clipped}, kernel={self.kernel}")
 

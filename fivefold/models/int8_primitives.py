@@ -26,14 +26,26 @@ def weight_scales(w: torch.Tensor, per_channel: bool = True, absmax: torch.Tenso
     return (absmax.float().clamp(min=_EPS) / WEIGHT_QMAX).contiguous()
 
 
-def quantize_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], float32 scales [N]): round to nearest, symmetric."""
+def quantize_weight(w: torch.Tensor, per_channel: bool = True,
+                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N]): round to nearest, symmetric. With ``group_size`` G (K a
+    multiple of it), one scale per G consecutive weights of a row: scales [N, K / G]."""
+    if group_size is not None:
+        n, k = w.shape
+        groups = w.float().reshape(n, k // group_size, group_size)
+        scales = (groups.abs().amax(dim=2).clamp(min=_EPS) / WEIGHT_QMAX).contiguous()
+        q = torch.clamp(torch.round(groups / scales[:, :, None]), -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+        return q.reshape(n, k).contiguous(), scales
     scales = weight_scales(w, per_channel)
     q = torch.clamp(torch.round(w.float() / scales[:, None]), -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
     return q.contiguous(), scales
 
 
 def dequantize_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of int8 ``q`` with per-row [N] or per-group [N, groups] scales."""
+    if scales.dim() == 2:
+        n, k = q.shape
+        return (q.float().reshape(n, scales.shape[1], -1) * scales[:, :, None]).reshape(n, k)
     return q.float() * scales[:, None]
 
 

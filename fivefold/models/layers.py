@@ -160,43 +160,57 @@ def stream_max_rows(dtype: torch.dtype) -> int:
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight oneDNN has re-laid-out ("packed") for its GEMM kernels.
+    """A frozen linear layer whose weight oneDNN has re-laid-out ("packed") for its GEMM kernels,
+    replacing the dense weight: one copy.
 
-    Decode-sized inputs (up to :data:`STREAM_MAX_ROWS` rows) run the streaming kernel on
-    ``stream_weight`` (the same weights in fivefold::stream_pack's tile-major layout) instead,
-    which reads the weights at a higher share of the memory bandwidth than oneDNN does for so few
-    rows. So the layer holds its weight twice, in the two kernels' layouts: the price of the
-    fastest kernel at every batch size (for SmolLM2 in float32, +538 MB). Where the streaming
-    kernel is not built, the second copy is the plain row-major weight (nothing streams then).
+    With ``stream_copy``, decode-sized inputs (up to :data:`STREAM_MAX_ROWS` rows) run the streaming
+    kernel on ``stream_weight`` (the same weights in fivefold::stream_pack's tile-major layout)
+    instead, which reads the weights at a higher share of the memory bandwidth than oneDNN does for
+    so few rows: the layer then holds its weight twice, in the two kernels' layouts, the price of
+    the fastest kernel at every batch size. The engine keeps that second copy for small models only
+    (``EngineConfig.stream_copy``); from 1B parameters on, memory decides.
 
-    Measured on this 2-core AVX-512 CPU (float32, benchmarks/decode_batch.py shows the
-    end-to-end effect), against F.linear on the plain row-major weight:
-    3072x576 at 1 row 73 us vs 140 us, at 64 rows 1.07 ms vs 1.45 ms; the 49152x576
-    LM head at 64 rows 18 ms vs 37 ms. Results equal F.linear up to float32 summation
-    order (~1e-4 absolute on outputs of magnitude ~10).
+    Measured on a 2-core Zen 4 (16384 x 2048, weights from DRAM; ms per call, oneDNN packed vs
+    the streaming kernel): float32 1 row 5.5 vs 4.5, 4 rows 5.0 vs 5.5, 64 rows 21 vs 35;
+    bfloat16 1 row 2.3 vs 1.6, 4 rows 1.9 vs 3.3, 64 rows 12 vs 29. Earlier, on SmolLM2's
+    3072x576 against F.linear on the plain row-major weight: 1 row 73 us vs 140 us, 64 rows 1.07
+    ms vs 1.45 ms. Results equal F.linear up to float32 summation order.
 
-    ``state_dict`` holds the plain ``weight``, so exporting and comparing checkpoints work unchanged.
+    ``state_dict`` holds the plain ``weight`` (unpacked), so exporting and comparing checkpoints
+    work unchanged.
     """
 
     BATCH_HINT = 64  # the row count oneDNN tunes the packing for; others run nearly as fast
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, stream_copy: bool = True) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().contiguous()  # [out, in]
+        self._init(linear.weight.detach(), linear.bias, stream_copy)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    stream_copy: bool = False) -> "PackedLinear":
+        """The packed layer of ``weight`` [out, in] (and ``bias``), without an nn.Linear around them:
+        the loader's path, where the dense weight is dropped once packed."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._init(weight.detach(), bias, stream_copy)
+        return module
+
+    def _init(self, weight: torch.Tensor, bias: torch.Tensor | None, stream_copy: bool) -> None:
+        self.out_features, self.in_features = weight.shape
+        weight = weight.contiguous()  # [out, in]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
-        self.stream_max_rows = stream_max_rows(weight.dtype)
-        # The streaming kernel's layout, or (no kernel) the row-major weight itself.
+        self.stream_max_rows = stream_max_rows(weight.dtype) if stream_copy else 0
+        # The streaming kernel's layout, when asked for and built here.
         self.stream_weight = stream_ops().stream_pack(weight) if self.stream_max_rows else None
-        self._row_major = weight if self.stream_weight is None else None
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def unpacked_weight(self) -> torch.Tensor:
-        """The weight [out, in], row-major: unpacked from ``stream_weight`` into a new tensor on each
-        call (for state dicts and tests; the forward never needs it). A method, not a ``weight``
-        attribute, so that nobody pays for a 100 MB copy by reading what looks like a field."""
-        if self._row_major is not None:
-            return self._row_major
+        """The weight [out, in], row-major: unpacked from ``stream_weight`` (or oneDNN's layout) into a
+        new tensor on each call (for state dicts and tests; the forward never needs it). A method, not
+        a ``weight`` attribute, so that nobody pays for a 100 MB copy by reading what looks like a field."""
+        if self.stream_weight is None:
+            return self.packed_weight.to_dense()
         return stream_ops().stream_unpack(self.stream_weight)[:, :self.in_features].contiguous()
 
     @staticmethod
@@ -263,14 +277,16 @@ def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Li
 _PACKED: dict[int, tuple[weakref.ref, tuple, "PackedLinear"]] = {}
 
 
-def packed_linear(linear: nn.Linear) -> PackedLinear:
+def packed_linear(linear: nn.Linear, stream_copy: bool = True) -> PackedLinear:
     """``linear``'s :class:`PackedLinear`, packed once per weight tensor (oneDNN's reorder of SmolLM2's
-    projections takes 1.5 s) and made again only if the weight or bias changed since."""
+    projections takes 1.5 s) and made again only if the weight or bias changed since (or the
+    streaming copy is asked for and the cached one lacks it)."""
     weight, key = linear.weight, _content_key(linear)
     cached = _PACKED.get(id(weight))
-    if cached is not None and cached[0]() is weight and cached[1] == key:
+    if (cached is not None and cached[0]() is weight and cached[1] == key
+            and (cached[2].stream_weight is not None or not stream_copy or not stream_max_rows(weight.dtype))):
         return cached[2]
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear, stream_copy)
     ident = id(weight)
     _PACKED[ident] = (weakref.ref(weight, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
     return packed
@@ -296,11 +312,38 @@ def module_tree_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-def pack_linears_(model: nn.Module) -> nn.Module:
+def pack_linears_(model: nn.Module, stream_copy: bool = True) -> nn.Module:
     """Swap every plain nn.Linear of ``model`` for a :class:`PackedLinear` (in place) where oneDNN can
     pack its dtype on this CPU (:meth:`PackedLinear.can_pack`); the others stay dense."""
     for module in [*model.modules()]:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and PackedLinear.can_pack(child.weight.dtype):
-                setattr(module, name, packed_linear(child))
+                setattr(module, name, packed_linear(child, stream_copy))
     return model
+
+
+def resident_weight_bytes(*models: nn.Module) -> int:
+    """Bytes of every weight the ``models`` hold, each tensor counted once: parameters and buffers, and
+    the kernels' own layouts (oneDNN's packed weights, the streaming kernel's copies, an int8
+    layer's packed operands). What the engine reports as its model's resident weights."""
+    seen: set = set()
+    total = 0
+
+    def count(t) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key = ("mkldnn", id(t)) if t.is_mkldnn else ("ptr", t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+
+    for module in (m for model in models for m in model.modules()):
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            count(t)
+        if isinstance(module, PackedLinear):
+            count(module.packed_weight)
+            count(module.stream_weight)
+        for value in (getattr(module, "_prepared", None) or {}).values():
+            count(value)
+    return total

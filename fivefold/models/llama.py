@@ -163,10 +163,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, FusableOp):
                 module.use_fused = enabled
 
-    def pack_for_serving(self) -> None:
-        """Swap every projection (and the LM head) for a :class:`PackedLinear`.
+    def pack_for_serving(self, stream_copy: bool = True) -> None:
+        """Swap every projection (and the LM head) for a :class:`PackedLinear` (with the streaming
+        kernel's copy too when ``stream_copy``).
 
         The embedding keeps its dense weight for row lookups; a tied LM head gets its
         own packed copy (+vocab x hidden floats), which halves its time at batch 64.
         """
-        pack_linears_(self)
+        pack_linears_(self, stream_copy)

@@ -11,7 +11,9 @@ checkpoint's format names are swapped in (``Int8Linear`` for a directory written
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,33 +100,30 @@ def _safetensors_files(directory: Path) -> list[Path]:
                 raise ModelLoadError(f"checkpoint shard {f.name} named in {index.name} does not exist")
         return files
     files = sorted(directory.glob("*.safetensors"))
+    shards = [f for f in files if re.fullmatch(r".*-\d+-of-\d+\.safetensors", f.name)]
+    files = shards or files  # a complete sharded set beside an older single file: the shards
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {directory}")
     return files
 
 
 def hf_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every safetensors shard of a directory."""
-    from safetensors import SafetensorError, safe_open
+    """Yield (name, tensor) from every safetensors shard of a directory, one tensor at a time through
+    the shard's memory map (models.safetensors_file: each tensor is valid until the next is read)."""
+    from fivefold.models.safetensors_file import read_tensors
 
     for file in _safetensors_files(directory):
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {exc}") from None
+            yield from read_tensors(file)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read safetensors file {file}: {exc}") from None
 
 
 def build_model(config: ModelConfig, weights, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Instantiate without allocating (meta device), then assign the loaded tensors."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    from fivefold.models.layers import RotaryEmbedding
+    """The model of ``config`` with ``weights`` (Hugging Face names) as dense ``dtype`` tensors."""
+    from fivefold.models.assemble import ServedForm, assemble
 
-    model.rotary = RotaryEmbedding(config)  # its tables are computed, not loaded
-    model.load_weights(weights, dtype)
-    return model.eval()
+    return assemble(config, weights, ServedForm(dtype=dtype))
 
 
 def _config_and_tokenizer(fmt: str, location: Path):
@@ -157,31 +156,57 @@ def warn_if_slow_dtype(dtype: torch.dtype) -> None:
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
-               before_weights: Callable[[ModelConfig, bool], None] | None = None) -> LoadedModel:
-    """Load a built-in name, Hugging Face directory or GGUF file for serving.
+               before_weights: Callable[[ModelConfig, bool, bool], object] | None = None,
+               quantization: str | None = None, weight_layout: str = "dense",
+               stream_copy: bool = False) -> LoadedModel:
+    """Load a built-in name, Hugging Face directory or GGUF file for serving, tensor by tensor.
 
-    ``before_weights(config, is_int8)`` runs once the checkpoint's metadata is read and before any
-    weight is (the engine's memory plan refuses a model that cannot fit there)."""
+    Each tensor is converted to its served form as it is read (models.assemble): ``dtype``;
+    ``weight_layout="packed"`` (oneDNN's layout in place of the dense weight, plus the streaming
+    kernel's copy when ``stream_copy``); ``quantization="w8a16"`` (int8 weights quantized per
+    output channel while loading, as ``fivefold quantize --scheme w8a16`` writes them). GGUF Q8_0
+    tensors stay int8 with their scale per block of 32; a directory written by ``fivefold quantize``
+    loads in its own int8 format.
+
+    ``before_weights(config, is_int8, grouped)`` runs once the checkpoint's metadata is read and
+    before any weight is (``grouped``: int8 with a scale per block, GGUF Q8_0): the engine's memory
+    plan refuses a model that cannot fit there, and may return the :class:`ServedForm` to load in
+    (it decides whether packed layers keep the streaming copy)."""
+    from fivefold.models.assemble import ServedForm, assemble
+
     torch_dtype = parse_dtype(dtype)
+    form = ServedForm(torch_dtype, weight_layout, stream_copy, quantization)
     warn_if_slow_dtype(torch_dtype)
     path = resolve_model_path(name_or_path)
     fmt, location = find_checkpoint(path)
     config, tokenizer, reader = _config_and_tokenizer(fmt, location)
     qconfig = quantization_config(location) if fmt == "hf" else None  # read config.json once
-    if before_weights is not None:
-        before_weights(config, qconfig is not None)
+    if qconfig is not None and quantization is not None:
+        raise ModelLoadError(f"{location} is already quantized ({qconfig['config'].get('scheme')}): "
+                             f"load it without --quantization")
     if fmt == "gguf":
-        from fivefold.models.gguf_file import gguf_tensors
+        from fivefold.models.gguf_file import gguf_is_int8, gguf_tensors
 
-        weights = gguf_tensors(reader, config)
+        grouped = gguf_is_int8(reader)
+        is_int8 = quantization is not None or grouped
+        weights = gguf_tensors(reader, config, location)
     else:
-        if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
-            model = load_quantized_model(location, config, torch_dtype, qconfig)
-            return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, qconfig["config"])
+        grouped, is_int8 = False, quantization is not None or qconfig is not None
         weights = hf_tensors(location)
-    with torch.inference_mode():
-        model = build_model(config, weights, torch_dtype)
-    return LoadedModel(model, tokenizer, config, location, fmt, name_or_path)
+    if before_weights is not None:
+        decided = before_weights(config, is_int8, grouped)
+        if isinstance(decided, ServedForm):
+            form = decided
+    if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
+        model = load_quantized_model(location, config, torch_dtype, qconfig)
+        return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, qconfig["config"])
+    model = assemble(config, weights, form, source=str(location))
+    quant = None
+    if form.quantization is not None:
+        from fivefold.models.assemble import W8A16
+
+        quant = {**dataclasses.asdict(W8A16), "skip": []}
+    return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, quant)
 
 
 def quantization_config(directory: Path) -> dict | None:
@@ -199,9 +224,6 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
     """Rebuild a Fivefold LLM with int8 modules from a directory written by :func:`save_quantized`:
     built on the meta device, the modules ``qconfig["modules"]`` names swapped for
     :class:`Int8Linear` of the saved format, every tensor assigned once."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from fivefold.models.int8_linear import Int8Format, Int8Linear
     from fivefold.models.layers import RotaryEmbedding
 
@@ -209,29 +231,47 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
         raise ModelLoadError(f"{directory}: quantized format version {qconfig.get('format_version')} is not "
                              f"supported (this version reads {FORMAT_VERSION})")
     int8_format = Int8Format.of(qconfig["config"])
-    try:
-        state = load_file(str(directory / "model.safetensors"))
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise ModelLoadError(f"corrupt or truncated safetensors file in {directory}: {exc}") from None
+    from fivefold.models.safetensors_file import read_header, read_tensors
+
+    file = directory / "model.safetensors"
+    if not file.exists():
+        raise ModelLoadError(f"{directory}: model.safetensors is missing")
+    names = set(read_header(file)[0])
     int8_modules = set(qconfig["modules"])
     with torch.device("meta"):
         model = LlamaForCausalLM(model_config)
         for name in qconfig["modules"]:
             linear = model.get_submodule(name)
-            model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in state,
+            model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in names,
                                                  int8_format))
     model.rotary = RotaryEmbedding(model_config)
-    tied = model_config.is_tied_embeddings and "lm_head.weight" not in state
-    if tied:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    # Scales, zero points, clip ranges and biases of int8 modules stay float32.
-    state = {k: v.to(dtype) if v.is_floating_point() and k.rpartition(".")[0] not in int8_modules else v
-             for k, v in state.items()}
-    try:
-        model.load_state_dict(state, assign=True, strict=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"{directory}: tensors do not match the quantization config: "
-                             f"{str(exc).splitlines()[0]}") from None
+    tied = model_config.is_tied_embeddings and "lm_head.weight" not in names
+    expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    seen = set()
+    with torch.inference_mode():
+        for key, tensor in read_tensors(file):
+            if key not in expected:
+                raise ModelLoadError(f"{directory}: tensor '{key}' is not in the quantization config's model")
+            if tuple(tensor.shape) != tuple(expected[key].shape):
+                raise ModelLoadError(f"{directory}: tensor '{key}' has shape {tuple(tensor.shape)}, the config "
+                                     f"expects {tuple(expected[key].shape)}")
+            module_name, _, kind = key.rpartition(".")
+            # Scales, zero points, clip ranges and biases of int8 modules stay float32.
+            cast = tensor.to(dtype) if tensor.is_floating_point() and module_name not in int8_modules else tensor
+            cast = cast.clone() if cast.data_ptr() == tensor.data_ptr() else cast  # not a view of the file
+            module = model.get_submodule(module_name)
+            if kind in module._parameters:
+                module._parameters[kind] = torch.nn.Parameter(cast, requires_grad=False)
+            else:
+                module._buffers[kind] = cast
+            seen.add(key)
+            if module_name in int8_modules and all(f"{module_name}.{b}" in seen for b, v in
+                                                   module._buffers.items() if v is not None):
+                module.pack_()  # the kernel's layout replaces the row-major int8 weight
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ModelLoadError(f"{directory}: tensors do not match the quantization config: missing "
+                             f"'{missing[0]}' ({len(missing)} in all)")
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
@@ -244,20 +284,44 @@ def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_di
     a ``quantization_config``, model.safetensors (int8 weights with their scales, zero points and
     clip ranges, under the names Fivefold serves: fused ``qkv_proj`` and ``gate_up_proj``), and
     the tokenizer."""
-    from safetensors.torch import save_file
+
+    from fivefold.models.safetensors_file import write_tensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().contiguous() for name, tensor in loaded.model.state_dict().items()}
+    entries = state_entries(loaded.model)
     if loaded.config.is_tied_embeddings and "lm_head" not in modules:
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding; re-tied on load
-    save_file(state, str(out / "model.safetensors"))
+        entries.pop("lm_head.weight", None)  # the same tensor as the embedding; re-tied on load
+    write_tensors(out / "model.safetensors", [(name, shape, dtype) for name, (shape, dtype, _) in entries.items()],
+                  lambda name: entries[name][2]())
     hf = loaded.config.to_hf_dict()
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                  "config": config, "modules": list(modules), **(extra or {})}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     loaded.tokenizer.hf.save_pretrained(str(out))
     return out
+
+
+def state_entries(model: torch.nn.Module) -> dict[str, tuple[tuple, torch.dtype, Callable[[], torch.Tensor]]]:
+    """{name: (shape, dtype, make)} of every tensor ``model.state_dict()`` holds, without making them:
+    a weight held only in a kernel's layout (W8A16 ``Int8Linear``, ``PackedLinear``) is unpacked
+    by ``make`` when its turn comes, so a writer holds one at a time."""
+    from fivefold.models.int8_linear import Int8Linear
+    from fivefold.models.layers import PackedLinear
+
+    entries = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, Int8Linear) and module._buffers["weight"] is None:
+            entries[prefix + "weight"] = ((module.out_features, module.in_features), torch.int8, module.int8_weight)
+        elif isinstance(module, PackedLinear):
+            entries[prefix + "weight"] = ((module.out_features, module.in_features), module.packed_weight.dtype,
+                                          module.unpacked_weight)
+        for kind, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or kind in module._non_persistent_buffers_set:
+                continue
+            entries[prefix + kind] = (tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.detach())
+    return entries
 
 
 def export_hf_directory(loaded: LoadedModel, out_dir: str | Path) -> Path:

@@ -34,15 +34,16 @@ MAX_QUERY_LEN = 17
 
 
 def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
-    """(streaming weight in fivefold::stream_pack's layout, per-channel scale, bias, the weight for
-    larger batches: oneDNN-packed, or row-major for at::linear), or why it cannot run."""
+    """(streaming weight in fivefold::stream_pack's layout or empty, per-channel or group scales, bias,
+    the weight for larger batches: oneDNN-packed, or row-major for at::linear), or why it cannot run."""
     from fivefold.kernels import stream_ops
     from fivefold.models.int8_linear import Int8Linear
 
     bias = getattr(linear, "bias", None)
     bias = _NONE if bias is None else bias.detach()
     if isinstance(linear, PackedLinear):
-        return [linear.stream_weight, _NONE, bias, linear.packed_weight]
+        stream = _NONE if linear.stream_weight is None else linear.stream_weight  # one copy: oneDNN's only
+        return [stream, _NONE, bias, linear.packed_weight]
     if type(linear) is nn.Linear:
         weight = linear.weight.detach()
         return [stream_ops().stream_pack(weight), _NONE, bias, weight]

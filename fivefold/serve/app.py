@@ -57,7 +57,7 @@ def create_llm_server(config: ServerConfig, api_key: str | None = None, admin_ke
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    llm = LLM(config.model, config.dtype, **config.engine_options)
+    llm = LLM(config.model, config.dtype, quantization=config.quantization, **config.engine_options)
     llm.engine.warm_up_structured_output()  # the grammar engine's one-time tables, before the first request
     engine = AsyncEngine(llm.engine, ServerMetrics(config.served_model_name),
                          max_queued_requests=config.max_queued_requests, max_queued_tokens=config.max_queued_tokens,

@@ -109,6 +109,12 @@ class AsyncEngine:
         return self.engine.loaded.model.dtype
 
     @property
+    def quantization(self) -> str | None:
+        """The int8 scheme the weights carry (a quantized checkpoint or quantization on load), or None."""
+        q = self.engine.loaded.quantization
+        return None if q is None else q.get("scheme")
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

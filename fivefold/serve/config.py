@@ -30,6 +30,7 @@ class ServerConfig:
     served_model_name: str
     dtype: str = "float32"
     engine_options: dict = field(default_factory=dict)
+    quantization: str | None = None  # "w8a16": quantized while loading
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
     queue_timeout: float | None = None

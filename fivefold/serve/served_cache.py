@@ -25,10 +25,13 @@ from fivefold.serve.http_base import FRONT_VERSION_HEADER
 
 def served_model_identity(client: EngineClient) -> str:
     """What identifies the served weights in result-cache keys: a hash of the checkpoint's
-    content (not its path), so replicas on different machines share keys, and the dtype."""
+    content (not its path), so replicas on different machines share keys, the dtype, and the
+    quantization applied while loading (int8 weights give other results than float ones)."""
     from fivefold.models.fingerprint import weights_fingerprint
 
-    return f"{weights_fingerprint(client.model_path)}|{client.dtype}"
+    identity = f"{weights_fingerprint(client.model_path)}|{client.dtype}"
+    quantization = getattr(client, "quantization", None)
+    return identity if quantization is None else f"{identity}|{quantization}"
 
 
 class ServedResultCache:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
+from fivefold.models.int8_linear import GroupQuantized
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 1, 64
 
@@ -82,6 +83,15 @@ def write_tiny_gguf(path, types: dict[str, str], with_tokenizer: bool = True, ar
 MIN_SQNR_DB = {"F16": 60, "BF16": 40, "Q8_0": 40, "Q4_1": 18, "Q4_0": 17}
 
 
+# What each type is read as: float types as stored, Q8_0 kept int8 with a scale per 32, the rest
+# dequantized to float32 (until 4-bit kernels serve them).
+READ_AS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "Q8_0": torch.int8}
+
+
+def _as_float(t) -> torch.Tensor:
+    return t.dequantize(torch.float32) if isinstance(t, GroupQuantized) else t.float()
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_tensor_types_dequantize(qtype, tmp_path):
     name = "blk.0.ffn_down.weight"
@@ -89,8 +99,21 @@ def test_tensor_types_dequantize(qtype, tmp_path):
     reader = open_gguf(tmp_path / "m.gguf")
     config = gguf_config(reader, tmp_path / "m.gguf")
     tensors = dict(gguf_tensors(reader, config))
-    ours = tensors["model.layers.0.mlp.down_proj.weight"]
-    assert ours.dtype == torch.float32 and tuple(ours.shape) == (HIDDEN, INTER)
+    read = tensors["model.layers.0.mlp.down_proj.weight"]
+    if qtype == "Q8_0":
+        assert isinstance(read, GroupQuantized) and read.group_size == 32 and read.scale.shape == (HIDDEN, INTER // 32)
+        assert read.q.dtype == torch.int8
+        # the int8 values and scales are the file's: they dequantize to exactly what gguf computes
+        import gguf
+
+        raw = next(t for t in reader.tensors if t.name == name)
+        assert np.array_equal(read.dequantize(torch.float32).numpy(),
+                              gguf.quants.dequantize(raw.data, raw.tensor_type).reshape(HIDDEN, INTER))
+    else:
+        assert read.dtype == READ_AS.get(qtype, torch.float32)
+    ours = {k: _as_float(v) for k, v in tensors.items()}["model.layers.0.mlp.down_proj.weight"]
+    tensors = {k: _as_float(v) for k, v in tensors.items()}
+    assert tuple(ours.shape) == (HIDDEN, INTER)
     if qtype == "F32":
         assert np.array_equal(ours.numpy(), originals[name])
     elif qtype in ("Q4_K", "Q6_K"):
@@ -105,6 +128,11 @@ def test_tensor_types_dequantize(qtype, tmp_path):
     repermuted = q.reshape(HEADS, 2, head_rows // 2, HIDDEN).transpose(1, 2).reshape(HIDDEN, HIDDEN)
     if qtype in ("F32", "Q4_K", "Q6_K"):
         assert np.array_equal(repermuted.numpy(), originals["blk.0.attn_q.weight"])
+    elif qtype == "Q8_0":  # int8 rows and their scales move together
+        import gguf
+
+        raw = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+        assert np.array_equal(repermuted.numpy(), gguf.quants.dequantize(raw.data, raw.tensor_type).reshape(HIDDEN, HIDDEN))
 
 
 def test_config_from_metadata(tmp_path):

@@ -1,0 +1,207 @@
+"""Build a Llama-family model tensor by tensor, each converted to its served form as it is read.
+
+The model is created on the meta device (no memory); every checkpoint tensor, as it arrives,
+is cast to the served dtype, fused with its siblings (q/k/v, gate/up) once they are all there,
+and turned into the module that serves it: an ``nn.Linear`` (``weight_layout="dense"``), a
+:class:`~fivefold.models.layers.PackedLinear` (``"packed"``: oneDNN's layout replaces the dense
+weight), or a W8A16 :class:`~fivefold.models.int8_linear.Int8Linear` (``quantization="w8a16"``,
+quantized per output channel as ``fivefold quantize --scheme w8a16`` does; and GGUF Q8_0
+tensors, kept int8 with their scale per block of 32). The float source of a tensor is dropped as
+soon as its served form exists, so a load's peak is the served model plus a fused tensor or two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fivefold.errors import ModelLoadError
+from fivefold.models.config import ModelConfig
+from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
+from fivefold.models.layers import PackedLinear, RotaryEmbedding
+from fivefold.models.llama import LlamaForCausalLM
+
+QUANTIZE_ON_LOAD = ("w8a16",)  # the schemes that need no calibration data
+LAYOUTS = ("dense", "packed")
+
+
+@dataclass(frozen=True)
+class ServedForm:
+    """What every tensor becomes while it is loaded.
+
+    dtype: float32 or bfloat16, for everything not int8 (and the activations).
+    weight_layout: "dense" (``nn.Linear``) or "packed" (oneDNN's blocked layout, one copy; where
+        oneDNN cannot pack the dtype on this CPU the layer stays dense).
+    stream_copy: packed layers also keep the streaming kernel's copy (faster decode at 1-4 rows,
+        twice the memory: the engine turns it on for small models only).
+    quantization: None, or "w8a16" (int8 weights, one scale per output channel, quantized here).
+    """
+
+    dtype: torch.dtype = torch.float32
+    weight_layout: str = "dense"
+    stream_copy: bool = False
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_layout not in LAYOUTS:
+            raise ModelLoadError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got '{self.weight_layout}'")
+        if self.quantization is not None and self.quantization not in QUANTIZE_ON_LOAD:
+            raise ModelLoadError(f"quantization on load supports {', '.join(QUANTIZE_ON_LOAD)}, got "
+                                 f"'{self.quantization}' (calibrated schemes: fivefold quantize)")
+
+
+W8A16 = Int8Format(scheme="w8a16")
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _fused_name(name: str) -> tuple[str, int, int]:
+    """(served name, part index, number of parts) of a checkpoint tensor name."""
+    module, _, kind = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in _FUSED:
+        fused, index = _FUSED[leaf]
+        return f"{parent}.{fused}.{kind}", index, 3 if fused == "qkv_proj" else 2
+    return name, 0, 1
+
+
+def _cat(parts: list) -> torch.Tensor | GroupQuantized:
+    if all(isinstance(p, GroupQuantized) for p in parts):
+        return GroupQuantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                              parts[0].group_size)
+    return torch.cat(parts)
+
+
+class _Assembler:
+    def __init__(self, config: ModelConfig, form: ServedForm, source: str) -> None:
+        self.config, self.form, self.source = config, form, source
+        with torch.device("meta"):
+            self.model = LlamaForCausalLM(config)
+        self.model.rotary = RotaryEmbedding(config)  # its tables are computed, not loaded
+        self.expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self.linears = {name for name, m in self.model.named_modules() if isinstance(m, nn.Linear)}
+        self.parts: dict[str, list] = {}  # fused tensors waiting for their siblings
+        self.linear_parts: dict[str, dict] = {}  # a linear's weight waiting for its bias, or the reverse
+        self.done: set[str] = set()
+        self.tied_source = None  # the embedding as read, for a tied LM head
+
+    def add(self, name: str, tensor) -> None:
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head") and self.config.is_tied_embeddings:
+            return
+        served, index, count = _fused_name(name)
+        if served not in self.expected:
+            raise ModelLoadError(f"{self.source}: unexpected tensor '{name}'")
+        tensor = self._cast(tensor)
+        if count > 1:
+            parts = self.parts.setdefault(served, [None] * count)
+            if parts[index] is not None:
+                raise ModelLoadError(f"{self.source}: tensor '{name}' appears twice")
+            parts[index] = tensor
+            if any(p is None for p in parts):
+                return
+            del self.parts[served]
+            tensor = _cat(parts)
+        self._place(served, tensor)
+
+    def _cast(self, tensor):
+        if isinstance(tensor, GroupQuantized) or not tensor.is_floating_point():
+            return tensor
+        cast = tensor.to(self.form.dtype)
+        return cast.clone() if cast.data_ptr() == tensor.data_ptr() else cast  # never a view of the file
+
+    def _place(self, name: str, tensor) -> None:
+        expected = self.expected[name]
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(f"{self.source}: tensor '{name}' has shape {tuple(tensor.shape)}, the config "
+                                 f"expects {expected}")
+        if name in self.done:
+            raise ModelLoadError(f"{self.source}: tensor '{name}' appears twice")
+        self.done.add(name)
+        module_name, _, kind = name.rpartition(".")
+        if module_name in self.linears:
+            parts = self.linear_parts.setdefault(module_name, {})
+            parts[kind] = tensor
+            has_bias = self.model.get_submodule(module_name).bias is not None
+            if "weight" in parts and ("bias" in parts or not has_bias):
+                del self.linear_parts[module_name]
+                self.model.set_submodule(module_name, self._linear(parts["weight"], parts.get("bias")))
+            return
+        if isinstance(tensor, GroupQuantized):  # an embedding or a norm stored Q8_0: looked up as float
+            if name == "embed_tokens.weight" and self.config.is_tied_embeddings:
+                self.tied_source = tensor
+            tensor = tensor.dequantize(self.form.dtype)
+        elif name == "embed_tokens.weight":
+            self.tied_source = tensor
+        module = self.model.get_submodule(module_name)
+        if kind in module._parameters:
+            module._parameters[kind] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[kind] = tensor
+
+    def _linear(self, weight, bias) -> nn.Module:
+        form = self.form
+        if bias is not None and isinstance(bias, torch.Tensor):
+            bias = bias.float() if (isinstance(weight, GroupQuantized) or form.quantization) else bias
+        if isinstance(weight, GroupQuantized):
+            fmt = Int8Format(scheme="w8a16", weight_granularity="per-group", group_size=weight.group_size)
+            module = Int8Linear(weight.q.shape[1], weight.q.shape[0], bias is not None, fmt)
+            module.weight, module.weight_scale = weight.q, weight.scale.float()
+            if bias is not None:
+                module.bias = bias
+            return module.pack_()
+        if form.quantization == "w8a16":
+            return Int8Linear.from_float(SimpleNamespace(weight=weight, bias=bias), W8A16).pack_()
+        if form.weight_layout == "packed" and PackedLinear.can_pack(weight.dtype):
+            return PackedLinear.from_weight(weight, bias, stream_copy=form.stream_copy)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    def finish(self) -> LlamaForCausalLM:
+        if self.parts:
+            name, parts = next(iter(self.parts.items()))
+            raise ModelLoadError(f"{self.source}: checkpoint has {sum(p is not None for p in parts)} of the "
+                                 f"{len(parts)} tensors fused into '{name}'")
+        if self.config.is_tied_embeddings and self.tied_source is not None:
+            self._tie()
+        tied = {"lm_head.weight"} if self.config.is_tied_embeddings else set()
+        missing = sorted(set(self.expected) - self.done - tied)
+        if missing:
+            raise ModelLoadError(f"{self.source}: checkpoint is missing tensor '{missing[0]}' ({len(missing)} "
+                                 f"missing in all)")
+        return self.model.eval()
+
+    def _tie(self) -> None:
+        """The LM head of a tied model: the embedding's weight, in the head's served form. Dense (or
+        packed with one copy, where the packed layout cannot be looked up by row), the head shares
+        the embedding's tensor; int8 (quantized, or Q8_0) and packed with the streaming copy, it has
+        its own copy in the kernel's layout."""
+        source, form = self.tied_source, self.form
+        embedding = self.model.embed_tokens.weight
+        if isinstance(source, GroupQuantized) or form.quantization:
+            self.model.lm_head = self._linear(source, None)
+        elif form.weight_layout == "packed" and form.stream_copy and PackedLinear.can_pack(embedding.dtype):
+            self.model.lm_head = PackedLinear.from_weight(embedding.detach(), None, stream_copy=True)
+        else:
+            self.model.lm_head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+        self.tied_source = None
+
+
+def assemble(config: ModelConfig, tensors: Iterable[tuple[str, object]], form: ServedForm,
+             source: str = "checkpoint") -> LlamaForCausalLM:
+    """The model of ``config`` with every tensor of ``tensors`` (Hugging Face names, un-fused or
+    fused) in ``form``. A tensor whose shape does not match the config, a missing or unexpected
+    tensor: one-line :class:`ModelLoadError` naming ``source`` and the tensor."""
+    assembler = _Assembler(config, form, source)
+    with torch.inference_mode():
+        for name, tensor in tensors:
+            assembler.add(name, tensor)
+    return assembler.finish()
