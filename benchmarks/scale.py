@@ -14,12 +14,13 @@ weights). Random weights are fine for speed and memory; quality is measured on t
 
 Each measurement runs in a fresh process (so that one run's memory cannot count for another):
 load time, the OS's peak RSS (VmHWM of /proc/self/status) after loading and at the end, the
-model's resident weight bytes (every distinct tensor storage the serving engine's model holds:
-dense, packed and int8 copies all count), and decode tokens/s at batch 1 and 8 (128-token held-out
+model's resident weight bytes (the engine's stats: every distinct tensor the loaded model and its
+serving view hold, in every layout), the target bound 1.15 x those + the KV pool + 1 GiB, and
+decode tokens/s at batch 1 and 8 (128-token held-out
 prompts, 64 new tokens, EOS ignored, greedy; prefill excluded). llama.cpp (``~/peers/llamacpp``, see
 ``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed.
 
-    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:float32,gguf-q8_0:float32]
+    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:w8a16,gguf-q8_0:float32]
 
 Prints a table and one JSON line.
 """
@@ -43,7 +44,9 @@ SHAPES = {  # hidden, layers, MLP, heads, KV heads
     "8b": (4096, 32, 14336, 32, 8),
 }
 VOCAB = 49152
-FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "gguf-q8_0:float32")
+# FORM:DTYPE, or FORM:w8a16 (float32 activations, int8 weights quantized while loading). The GGUF's
+# Q8_0 tensors are served int8 with their block scales whatever the dtype (float32 activations).
+FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32")
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
 KV_CACHE_BYTES = 512 << 20
 Q8_BLOCK = 32
@@ -217,33 +220,24 @@ def peak_rss():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 path, dtype, prompt_len, new_tokens, batches, kv_bytes = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), json.loads(sys.argv[5]), int(sys.argv[6])
+quantization = None
+if dtype == "w8a16":
+    dtype, quantization = "float32", "w8a16"
 from fivefold.llm import LLM
 from fivefold.sampling_params import SamplingParams
 from fivefold.eval.language import decode_rate
 from fivefold.eval.text import corpus_ids, corpus_prompts
 start = time.perf_counter()
-llm = LLM(path, dtype=dtype, max_num_seqs=max(batches), kv_cache_memory_bytes=kv_bytes)
+llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(batches), kv_cache_memory_bytes=kv_bytes)
 load_s = time.perf_counter() - start
 rss_load = peak_rss()
-storages = {}
-def count(t):
-    try:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    except (NotImplementedError, RuntimeError):  # oneDNN's packed (opaque) tensors
-        storages[id(t)] = t.numel() * t.element_size()
-for model in (llm.loaded.model, llm.engine.runner.model):  # the loaded weights and the serving view
-    for t in list(model.parameters()) + list(model.buffers()):
-        count(t)
-    for m in model.modules():  # packed copies held as plain attributes
-        for v in vars(m).values():
-            if hasattr(v, "untyped_storage") and not getattr(v, "is_meta", False):
-                count(v)
+stats = llm.engine.stats()  # every distinct weight tensor the engine holds, in every layout
 prompts = corpus_prompts(corpus_ids(llm.tokenizer, "heldout"), max(batches), prompt_len, seed=0)
 params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # first-call costs
 speed = {f"decode_tok_s_batch{b}": decode_rate(llm.generate(prompts[:b], params)) for b in batches}
 print(json.dumps({"load_s": load_s, "peak_rss_load": rss_load, "peak_rss": peak_rss(),
-                  "weight_bytes": sum(storages.values()), **speed}))
+                  "weight_bytes": stats["weight_bytes"], "kv_cache_bytes": stats["kv_cache_bytes"], **speed}))
 """
 
 LLAMACPP_CHILD = r"""
@@ -337,19 +331,29 @@ def main() -> int:
             results.append({"shape": shape, "system": "llama.cpp", "form": "gguf-q8_0",
                             "file_bytes": files["gguf-q8_0"].stat().st_size, **measure_llamacpp(files["gguf-q8_0"])})
     rows = []
+    llamacpp_b1 = {r["shape"]: r["decode_tok_s_batch1"] for r in results
+                   if r["system"] == "llama.cpp" and "decode_tok_s_batch1" in r}
     for r in results:
         if "error" in r:
-            rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), r["error"][:60], "", "", "", "", ""))
+            rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), r["error"][:60], *[""] * 8))
             continue
+        bound = "-"
+        if "weight_bytes" in r:  # the target: peak RSS <= 1.15 x resident weights + KV pool + 1 GiB
+            r["rss_bound"] = 1.15 * r["weight_bytes"] + r["kv_cache_bytes"] + (1 << 30)
+            bound = f"{gb(r['rss_bound'])} {'ok' if r['peak_rss'] <= r['rss_bound'] else 'over'}"
+        ref = llamacpp_b1.get(r["shape"])
+        b8 = r.get("decode_tok_s_batch8")
         rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), f"{r['load_s']:.1f}",
-                     gb(r["peak_rss_load"]), gb(r["peak_rss"]), gb(r.get("weight_bytes")),
-                     f"{r['decode_tok_s_batch1']:.1f}",
-                     f"{r['decode_tok_s_batch8']:.1f}" if "decode_tok_s_batch8" in r else "-"))
+                     gb(r["peak_rss_load"]), gb(r["peak_rss"]), gb(r.get("weight_bytes")), bound,
+                     f"{r['decode_tok_s_batch1']:.1f}", f"{b8:.1f}" if b8 else "-",
+                     f"{r['decode_tok_s_batch1'] / ref:.2f}x" if ref else "-",
+                     f"{b8 / ref:.2f}x" if ref and b8 else "-"))
     isa = current_platform().isa_level
     console.print(results_table(f"real-size random-weight Llama shapes, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new "
                                 f"tokens ({isa}, {os.cpu_count()} cores)",
                                 ("shape", "system", "form:dtype", "file GB", "load s", "peak RSS load GB",
-                                 "peak RSS GB", "weights GB", "tok/s b1", "tok/s b8"), rows))
+                                 "peak RSS GB", "weights GB", "RSS bound GB", "tok/s b1", "tok/s b8",
+                                 "b1 / llama.cpp b1", "b8 / llama.cpp b1"), rows))
     print(json_line({"benchmark": "scale", "results": results}))
     return 0
 

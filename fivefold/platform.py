@@ -189,3 +189,27 @@ def openmp_runtimes() -> list[str]:
     except OSError:
         return []
     return sorted(os.path.realpath(p) for p in paths if p.startswith("/"))
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Loading converts one tensor after another through float32 temporaries of a few to a few hundred
+    MB. glibc serves those from its heap once a freed block raised its mmap threshold, and freed
+    heap pages stay in the process: a 122M-parameter W8A16 load peaked 573 MB above its start for
+    124 MB of int8 weights, 362 MB when trimmed after each tensor. Called by the loader only: at run
+    time the heap's reuse is what keeps a step's allocations cheap."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -77,8 +77,11 @@ def prepared_model(config: dict, loaded=None):
         engine = EngineConfig.from_options(**config["engine"])
         quantization = "w8a16" if on_load else None
         dtype = parse_dtype(config["dtype"])
+        # (dense when a calibrated recipe quantizes it after loading: SmoothQuant rescales dense weights)
+        layout = engine.weight_layout if wanted is None or on_load else "dense"
+        engine = EngineConfig.from_options(**{**config["engine"], "weight_layout": layout})
         loaded = load_model(config["model"], dtype, planned_form(config["model"], dtype, engine, quantization),
-                            quantization=quantization, weight_layout=engine.weight_layout)
+                            quantization=quantization, weight_layout=layout)
         if on_load:
             loaded.quantization = wanted
     if wanted is not None and loaded.quantization is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,7 +24,7 @@ from fivefold.engine.sequence import Sequence
 from fivefold.engine.stop_strings import StopStringTracker, stop_prefix_len  # noqa: F401 (re-exported)
 from fivefold.engine.speculative import SpeculativeStats, can_speculate, make_proposer, num_proposals_allowed, verify
 from fivefold.engine.structured_output import GrammarCompiler
-from fivefold.errors import InvalidRequestError
+from fivefold.errors import FivefoldError, InvalidRequestError
 from fivefold.models.loader import LoadedModel
 from fivefold.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
         self.runner = ModelRunner(loaded.model, self.config)
+        self._fit_context_to_pool()
         self.kv_cache = KVCacheManager(self.runner.num_blocks, self.config.block_size,
                                        self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
@@ -64,6 +66,22 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
+
+    def _fit_context_to_pool(self) -> None:
+        """The longest context is what the KV pool holds for one sequence: a model's own limit (128K
+        tokens for Llama 3) beyond the pool is clipped with a one-line note, as vLLM does; an explicit
+        ``max_model_len`` beyond it is refused, naming both sizes and the options."""
+        pool_tokens = self.runner.num_blocks * self.config.block_size
+        if self.max_model_len <= pool_tokens:
+            return
+        pool = f"the KV pool ({self.runner.num_blocks} blocks of {self.config.block_size} tokens, " \
+               f"{self.config.kv_cache_bytes() / 1e9:.2f} GB)"
+        if self.config.max_model_len is not None:
+            raise FivefoldError(f"max_model_len {self.max_model_len} is more than {pool} holds for one sequence "
+                                f"({pool_tokens} tokens): lower --max-model-len or raise --kv-cache-memory-bytes")
+        warnings.warn(f"fivefold: max_model_len clipped from the model's {self.max_model_len} to {pool_tokens} tokens, "
+                      f"what {pool} holds for one sequence (--kv-cache-memory-bytes for more)", stacklevel=3)
+        self.max_model_len = pool_tokens
 
     def add_request(
         self,

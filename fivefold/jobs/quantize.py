@@ -71,6 +71,10 @@ def build_quantized(job: QuantizeJob, console=None):
     """Load ``job.model`` and quantize it (with the sensitivity scan and mixed precision if asked).
 
     Returns (loaded model, int8 module names, names kept float, sensitivity scan or None)."""
+    import torch
+
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.memory_plan import check_fits
     from fivefold.models import load_model
     from fivefold.quant.quantize import calibrate, target_linears
     from fivefold.quant.quantization_sensitivity import (
@@ -79,11 +83,19 @@ def build_quantized(job: QuantizeJob, console=None):
         save_quantization_scan,
     )
 
+    config = job.config
+    if not job.mixed_precision and config == Int8Config(scheme="w8a16", skip=config.skip) and not config.skip:
+        # Per-channel W8A16 needs no data: quantized tensor by tensor while loading, so that the float
+        # model is never whole in memory (an 8B model quantizes in 24 GiB); the same int8 values.
+        loaded = load_model(job.model, before_weights=lambda c, is_int8, grouped: check_fits(
+            job.model, c, torch.float32, EngineConfig(), True, grouped=grouped), quantization="w8a16")
+        loaded.quantization = config.to_dict()
+        return loaded, int8_module_names(loaded.model), [], None
     loaded = load_model(job.model)
     tok = loaded.tokenizer
-    config = job.config
     if not job.mixed_precision:
-        return loaded, quantize_loaded(loaded, config, job.num_calibration, job.window).quantized, [], None
+        quantize_loaded(loaded, config, job.num_calibration, job.window)
+        return loaded, int8_module_names(loaded.model), [], None
     data = calibration_windows(tok, config, job.num_calibration, job.window)
     # Rank layers on a small held-out sample (one evaluation per layer), decide how many
     # to keep float on a large one (a few evaluations), report on yet other windows.
@@ -116,8 +128,12 @@ def build_quantized(job: QuantizeJob, console=None):
                                      data, llm_forward, ranges=ranges)
     loaded.model = model
     loaded.quantization = config.to_dict()
-    modules = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
-    return loaded, modules, kept, scan
+    return loaded, int8_module_names(model), kept, scan
+
+
+def int8_module_names(model) -> list[str]:
+    """Every int8 layer of ``model``: those quantized here and those the checkpoint held (Q8_0)."""
+    return [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
 
 
 def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
@@ -127,24 +143,31 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
 
     from fivefold.engine.config import EngineConfig
     from fivefold.engine.memory_plan import check_fits
+    from fivefold.errors import FivefoldError
     from fivefold.models import load_model
-    from fivefold.models.loader import save_quantized
+    from fivefold.models.loader import load_tokenizer, save_quantized
 
     console = console or Console(width=130)
     out = Path(job.out)
-    # The float model is loaded (and served for the baseline) whole today: refuse one that cannot fit
-    # before reading it, rather than be killed by the OS half-way.
-    float_loaded = load_model(job.model, before_weights=lambda c, is_int8, grouped: check_fits(
-        job.model, c, torch.float32, EngineConfig(), is_int8, grouped=grouped))
-    if job.window > float_loaded.config.max_model_len:
-        from fivefold.errors import FivefoldError
-
+    tokenizer, model_config = load_tokenizer(job.model)
+    if job.window > model_config.max_model_len:
         raise FivefoldError(f"--window {job.window} is longer than the model's context "
-                            f"({float_loaded.config.max_model_len} tokens)")
-    eval_windows = text_windows(float_loaded.tokenizer, "heldout", job.num_eval, job.window, seed=0)
-    console.print(f"float baseline: {job.num_eval} held-out windows of {job.window} tokens ...")
-    baseline = evaluate(float_loaded, eval_windows, job)
-    del float_loaded
+                            f"({model_config.max_model_len} tokens)")
+    eval_windows = text_windows(tokenizer, "heldout", job.num_eval, job.window, seed=0)
+    # The float baseline is served whole: in float32 where that fits, else in bfloat16, else skipped
+    # (the quantization itself streams, see build_quantized).
+    baseline, baseline_dtype = None, None
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            check_fits(job.model, model_config, dtype, EngineConfig())
+        except FivefoldError:
+            continue
+        baseline_dtype = str(dtype).removeprefix("torch.")
+        console.print(f"float baseline ({baseline_dtype}): {job.num_eval} held-out windows of {job.window} tokens ...")
+        baseline = evaluate(load_model(job.model, dtype, weight_layout="packed"), eval_windows, job)  # one copy
+        break
+    if baseline is None:
+        console.print("float baseline skipped: the float model does not fit in memory (the int8 one is measured)")
     start = time.perf_counter()
     loaded, modules, kept, scan = build_quantized(job, console)
     quantize_s = time.perf_counter() - start
@@ -155,10 +178,11 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
               "num_int8_modules": len(modules), "kernels": kernels_used(reloaded.model),
               "platform": current_platform().describe(), "kept_float": kept, "quantize_s": quantize_s,
-              "float": baseline, "int8": quantized,
-              "perplexity_increase": quantized["perplexity"] / baseline["perplexity"] - 1,
-              **{f"speedup_batch{b}": quantized[f"decode_tok_s_batch{b}"] / baseline[f"decode_tok_s_batch{b}"]
-                 for b in job.speed_batches}}
+              "float": baseline, "float_dtype": baseline_dtype, "int8": quantized}
+    if baseline is not None:
+        report["perplexity_increase"] = quantized["perplexity"] / baseline["perplexity"] - 1
+        report.update({f"speedup_batch{b}": quantized[f"decode_tok_s_batch{b}"] / baseline[f"decode_tok_s_batch{b}"]
+                       for b in job.speed_batches})
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     render(report, scan, console)
@@ -179,10 +203,17 @@ def render(report: dict, scan, console) -> None:
         if report["kept_float"]:
             console.print(f"mixed precision keeps {len(report['kept_float'])} layers in float: "
                           f"{', '.join(report['kept_float'][:12])}{' ...' if len(report['kept_float']) > 12 else ''}")
-    t = Table(title=f"{report['model']}: float32 vs {report['label']} ({report['num_int8_modules']} int8 layers)")
-    for col in ("metric", "float32", "int8", "change"):
+    float_dtype = report.get("float_dtype") or "float"
+    t = Table(title=f"{report['model']}: {float_dtype} vs {report['label']} ({report['num_int8_modules']} int8 layers)")
+    for col in ("metric", float_dtype, "int8", "change"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    f, q = report["float"], report["int8"]
+    q = report["int8"]
+    if report["float"] is None:  # the float model did not fit: int8 figures only
+        f = {k: float("nan") for k in q}
+        report = {**report, "perplexity_increase": float("nan"),
+                  **{k: float("nan") for k in report if k.startswith("speedup")}}
+    else:
+        f = report["float"]
     t.add_row("held-out perplexity", f"{f['perplexity']:.3f}", f"{q['perplexity']:.3f}",
               f"{report['perplexity_increase']:+.2%}")
     t.add_row("next-token accuracy (%)", f"{f['next_token_accuracy']:.2f}", f"{q['next_token_accuracy']:.2f}",

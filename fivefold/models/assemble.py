@@ -24,6 +24,7 @@ from fivefold.models.config import ModelConfig
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
 from fivefold.models.layers import PackedLinear, RotaryEmbedding
 from fivefold.models.llama import LlamaForCausalLM
+from fivefold.platform import release_free_heap
 
 QUANTIZE_ON_LOAD = ("w8a16",)  # the schemes that need no calibration data
 LAYOUTS = ("dense", "packed")
@@ -98,6 +99,10 @@ class _Assembler:
             raise ModelLoadError(f"{self.source}: unexpected tensor '{name}'")
         tensor = self._cast(tensor)
         if count > 1:
+            want = self._part_shape(served, index)
+            if tuple(tensor.shape) != want:
+                raise ModelLoadError(f"{self.source}: tensor '{name}' has shape {tuple(tensor.shape)}, the config "
+                                     f"expects {want}")
             parts = self.parts.setdefault(served, [None] * count)
             if parts[index] is not None:
                 raise ModelLoadError(f"{self.source}: tensor '{name}' appears twice")
@@ -107,6 +112,12 @@ class _Assembler:
             del self.parts[served]
             tensor = _cat(parts)
         self._place(served, tensor)
+
+    def _part_shape(self, fused: str, index: int) -> tuple[int, ...]:
+        """The shape of part ``index`` of a fused tensor (q, k, v of qkv_proj; gate, up of gate_up_proj)."""
+        c, shape = self.config, self.expected[fused]
+        rows = (c.q_size, c.kv_size, c.kv_size)[index] if ".qkv_proj." in fused else c.intermediate_size
+        return (rows, *shape[1:])
 
     def _cast(self, tensor):
         if isinstance(tensor, GroupQuantized) or not tensor.is_floating_point():
@@ -130,6 +141,8 @@ class _Assembler:
             if "weight" in parts and ("bias" in parts or not has_bias):
                 del self.linear_parts[module_name]
                 self.model.set_submodule(module_name, self._linear(parts["weight"], parts.get("bias")))
+                del parts
+                release_free_heap()  # the float temporaries of this layer: back to the OS before the next
             return
         if isinstance(tensor, GroupQuantized):  # an embedding or a norm stored Q8_0: looked up as float
             if name == "embed_tokens.weight" and self.config.is_tied_embeddings:

@@ -238,12 +238,14 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
         raise ModelLoadError(f"{directory}: model.safetensors is missing")
     names = set(read_header(file)[0])
     int8_modules = set(qconfig["modules"])
+    grouped = qconfig.get("grouped", {})  # modules kept with a scale per block (a GGUF's Q8_0 tensors)
     with torch.device("meta"):
         model = LlamaForCausalLM(model_config)
         for name in qconfig["modules"]:
             linear = model.get_submodule(name)
+            fmt = (Int8Format("w8a16", "per-group", group_size=grouped[name]) if name in grouped else int8_format)
             model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in names,
-                                                 int8_format))
+                                                 fmt))
     model.rotary = RotaryEmbedding(model_config)
     tied = model_config.is_tied_embeddings and "lm_head.weight" not in names
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -294,9 +296,14 @@ def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_di
         entries.pop("lm_head.weight", None)  # the same tensor as the embedding; re-tied on load
     write_tensors(out / "model.safetensors", [(name, shape, dtype) for name, (shape, dtype, _) in entries.items()],
                   lambda name: entries[name][2]())
+    from fivefold.models.int8_linear import Int8Linear
+
+    grouped = {name: m.group_size for name, m in loaded.model.named_modules()
+               if isinstance(m, Int8Linear) and m.group_size is not None}
     hf = loaded.config.to_hf_dict()
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
-                                 "config": config, "modules": list(modules), **(extra or {})}
+                                 "config": config, "modules": list(modules), **({"grouped": grouped} if grouped else {}),
+                                 **(extra or {})}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     loaded.tokenizer.hf.save_pretrained(str(out))
     return out

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fivefold.errors import InvalidRequestError
+from fivefold.errors import FivefoldError, InvalidRequestError
 from fivefold.llm import LLM
 from fivefold.sampling_params import SamplingParams
 
@@ -142,13 +142,19 @@ def test_eos_stops_unless_ignored(llm):
 
 
 def test_requests_that_can_never_fit_are_refused(llm):
-    with pytest.raises(InvalidRequestError, match="exceeds the maximum context length 8192"):
+    # the model's 8192-token context is clipped to what the 128 MB pool holds for one sequence
+    pool_tokens = llm.engine.runner.num_blocks * 16
+    assert llm.engine.max_model_len == pool_tokens < 8192
+    with pytest.raises(InvalidRequestError, match=f"exceeds the maximum context length {pool_tokens}"):
         llm.generate(PROMPT, SamplingParams(max_tokens=9000))
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
         llm.generate([[]], SamplingParams())
-    small = LLM(llm.loaded, kv_cache_memory_bytes=4 * 16 * 46080)  # 4 blocks = 64 tokens
-    with pytest.raises(InvalidRequestError, match=r"can never fit the KV cache \(64 tokens\)"):
+    with pytest.warns(UserWarning, match="max_model_len clipped from the model's 8192 to 64 tokens"):
+        small = LLM(llm.loaded, kv_cache_memory_bytes=4 * 16 * 46080)  # 4 blocks = 64 tokens
+    with pytest.raises(InvalidRequestError, match="exceeds the maximum context length 64"):
         small.generate(PROMPT, SamplingParams(max_tokens=100))
+    with pytest.raises(FivefoldError, match=r"max_model_len 100 is more than the KV pool \(4 blocks of 16 tokens"):
+        LLM(llm.loaded, kv_cache_memory_bytes=4 * 16 * 46080, max_model_len=100)
 
 
 def test_vllm_prompt_forms_give_the_same_tokens_and_bad_ones_are_refused_at_add_request(llm):

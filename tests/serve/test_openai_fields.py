@@ -147,7 +147,7 @@ def test_refused_chat_fields_and_nulls_that_ask_nothing(server):
 def test_tokenize_and_detokenize(server, offline):
     r = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
     ids = offline.tokenizer.encode("Hello world")
-    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == offline.engine.max_model_len
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == server[1].max_model_len
     assert "".join(r["token_strs"]) == offline.tokenizer.decode(ids, skip_special_tokens=False)
     assert post(server, "/detokenize", {"tokens": ids}).json() == {
         "prompt": offline.tokenizer.decode(ids, skip_special_tokens=False)}

@@ -21,7 +21,7 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=256 << 20)), ServerMetrics(MODEL))
+    engine = AsyncEngine(LLMEngine(smollm2, EngineConfig(kv_cache_memory_bytes=512 << 20)), ServerMetrics(MODEL))
     app = build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=64 << 10)
     with running_server(app) as url:
         yield url, engine
