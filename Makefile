@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.fivefold-installed
 # AVX2 paths, so an AVX-512 machine also checks what an AVX2-only machine (Zen 2/3) computes.
 AVX2_ENV  := ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 ISA_TESTS := tests/quant tests/kernels tests/test_platform.py tests/models/test_llama_vs_transformers.py \
-             tests/models/test_attention.py tests/models/test_native_decode.py tests/models/test_packed_linear.py
+             tests/models/test_attention.py tests/models/test_native_decode.py tests/models/test_packed_linear.py \
+             tests/models/test_assemble.py
 
 .PHONY: setup demo test bench clean
 

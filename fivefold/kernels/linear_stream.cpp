@@ -73,11 +73,36 @@ struct Epilogue {
 
 // R activation rows x C output channels starting at channel n, whose tile starts at wt and holds,
 // for each of the Kp / kWidth column steps, C vectors of kWidth weights.
-// Group scales multiply each widened weight vector (once, shared by the R rows) instead of a
-// partial sum per group, which would need another R x C accumulators.
+// Group scales. Several rows: each widened weight vector is multiplied by its scale once, shared
+// by the R rows (a partial sum per group would need another R x C accumulators). One row: the
+// group's partial sums are scaled into the accumulators as the group ends (one FMA per channel
+// and group instead of one multiply per weight vector).
+template <typename T, int C>
+inline void tile_grouped_row(const float* x, const T* wt, int64_t n, float* y, const Groups& g, const Epilogue& e) {
+  Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = vzero();
+  constexpr int64_t kStep = C * kWidth;
+  const T* p = wt;
+  for (int64_t grp = 0, s = 0; grp < g.groups; ++grp) {
+    Vec part[C];
+    for (int c = 0; c < C; ++c) part[c] = vzero();
+    for (int64_t j = 0; j < g.steps; ++j, ++s, p += kStep) {
+#if defined(__AVX2__)
+      for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + b, _MM_HINT_T0);
+#endif
+      const Vec xv = vload(x + s * kWidth);
+      for (int c = 0; c < C; ++c) part[c] = vfma(xv, vload(p + c * kWidth), part[c]);
+    }
+    for (int c = 0; c < C; ++c) acc[c] = vfma(part[c], vset1(g.scale[(n + c) * g.groups + grp]), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) y[n + c] = e.apply(vsum(acc[c]), n + c);
+}
+
 template <typename T, int R, int C>
 inline void tile_grouped(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Groups& g,
                          const Epilogue& e) {
+  if constexpr (R == 1) return tile_grouped_row<T, C>(x, wt, n, y, g, e);
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();

@@ -62,3 +62,31 @@ def test_packed_linear_streams_small_batches_and_packs_large_ones(rows):
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), dense(x), rtol=1e-4, atol=1e-4)
     assert torch.equal(packed.state_dict()["weight"], dense.weight.detach())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 19])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 96, 32), (6, 256, 64), (130, 128, 128)])
+def test_group_scales_match_float64(rows, n, k, group):
+    """Int8 weights with one scale per group of columns (GGUF's Q8_0: 32): sum_g s[n, g] * (x . w)_g,
+    computed in float64 from the same int8 values and scales."""
+    ops = stream_ops()
+    gen = torch.Generator().manual_seed(rows * 7 + n + k + group)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) / 50
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    dense = (w.double().view(n, k // group, group) * scale.double()[:, :, None]).view(n, k)
+    want = x.double() @ dense.t() + bias.double()
+    y = ops.stream_linear(x, ops.stream_pack(w), scale, bias)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert torch.equal(ops.int8_weight_linear(x, ops.stream_pack(w), scale, bias), y)  # the profiler's name
+
+
+def test_group_scales_refuse_what_they_cannot_compute():
+    ops = stream_ops()
+    w = torch.randint(-127, 128, (8, 96), dtype=torch.int8)
+    x = torch.randn(1, 96)
+    with pytest.raises(RuntimeError, match="group scales need int8 weights"):
+        ops.stream_linear(x, ops.stream_pack(w), torch.rand(8, 5), None)  # 96 columns in 5 groups
+    with pytest.raises(RuntimeError, match="group scales need int8 weights"):
+        ops.stream_linear(x, ops.stream_pack(w.float()), torch.rand(8, 3), None)  # float weights
