@@ -17,11 +17,13 @@ to what the machine allows there.
 
 Backends:
   stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp) on stream_pack's tile-major
-           layout: float32, bfloat16, int8 (W8A16)
+           layout: float32, bfloat16, int8 (W8A16); for int4, fivefold::int4_linear
+           (fivefold/kernels/int4_linear.cpp): 4-bit codes with a float16 scale and minimum per 32
+           weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -40,12 +42,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line  # noqa: E402
-from fivefold.kernels import stream_ops  # noqa: E402
+from fivefold.kernels import int4_ops, stream_ops  # noqa: E402
 from fivefold.models.layers import PackedLinear  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
 from fivefold.profile.roofline import measure_bandwidth, measure_flops  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
+INT4_GROUP = 32
+BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP}
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * NUM_LAYERS + [
     (VOCAB, HIDDEN)]
 
@@ -70,7 +74,11 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
     for _ in range(num_copies):
         copy = []
         for n, k in SHAPES:
-            if dtype == "int8":
+            if dtype == "int4":  # codes, float16 scales and minimums per group of 32
+                copy.append((torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
+                             ((torch.rand(n, k // INT4_GROUP, generator=generator) / 100).half(),
+                              (torch.randn(n, k // INT4_GROUP, generator=generator) / 10).half())))
+            elif dtype == "int8":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              torch.rand(n, generator=generator) / 100))
             else:
@@ -80,6 +88,13 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
 
 
 def backends(dtype: str):
+    if dtype == "int4":
+        ops4 = int4_ops()
+        if ops4 is None:
+            return {}
+        return {"stream": (lambda q, so: (ops4.int4_pack(q), ops4.int4_pack_groups(so[0], True),
+                                          ops4.int4_pack_groups(so[1], True)),
+                           lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None))}
     ops = stream_ops()
     torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     found = {}
@@ -122,7 +137,7 @@ def time_passes(prepared_by_backend: dict, x_by_k: dict, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8,16")
-    ap.add_argument("--dtypes", default=None, help="default: float32, bfloat16 where oneDNN packs it, int8")
+    ap.add_argument("--dtypes", default=None, help="default: float32, bfloat16 where oneDNN packs it, int8, int4")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
@@ -132,7 +147,7 @@ def main() -> None:
 
     plat = current_platform()
     dtypes = args.dtypes.split(",") if args.dtypes else (
-        ["float32", "bfloat16", "int8"] if plat.can_pack_bf16 else ["float32", "int8"])
+        ["float32", "bfloat16", "int8", "int4"] if plat.can_pack_bf16 else ["float32", "int8", "int4"])
     rows = [int(r) for r in args.rows.split(",")]
     llc = last_level_cache_bytes()
     bandwidth = measure_bandwidth()
@@ -143,11 +158,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     results = []
     for dtype in dtypes:
-        itemsize = 1 if dtype == "int8" else getattr(torch, dtype).itemsize
-        model_bytes = sum(n * k for n, k in SHAPES) * itemsize
+        itemsize = BYTES_PER_WEIGHT.get(dtype) or getattr(torch, dtype).itemsize
+        model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8") else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4") else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

@@ -18,6 +18,8 @@ their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
   float32, bfloat16 and int8 (W8A16) weights;
 - ``int8_linear.cpp``: the exact int8 x int8 -> int32 matmul that W8A8 runs where the libraries'
   kernels saturate;
+- ``int4_linear.cpp``: the weight-streaming linear of 4-bit weights with group scales (W4A16:
+  symmetric, zero point or minimum; GGUF Q4_0/Q4_1 blocks as they are);
 - ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k);
 - ``decode_loop.cpp``: the decoder's layer loop of a decode step, calling the kernels above (and
   oneDNN's GEMM) without a Python call between them.
@@ -37,7 +39,8 @@ _errors: dict[str, str] = {}
 
 
 # Kernels that call others (through the dispatcher) and are not loaded without them.
-_DEPENDS_ON = {"int8_linear": ("linear_stream",), "decode_loop": ("paged_attention", "linear_stream", "fused_ops")}
+_DEPENDS_ON = {"int8_linear": ("linear_stream",),
+               "decode_loop": ("paged_attention", "linear_stream", "int4_linear", "fused_ops")}
 
 
 def _load(name: str) -> object | None:
@@ -163,6 +166,11 @@ def stream_ops():
     return _load("linear_stream")
 
 
+def int4_ops():
+    """``torch.ops.fivefold`` with ``int4_pack``, ``int4_unpack``, ``int4_pack_groups`` and ``int4_linear``, or None."""
+    return _load("int4_linear")
+
+
 def fused_ops():
     """``torch.ops.fivefold`` with ``fused_add_rms_norm_``, ``silu_and_mul``, ``rotary_qk_`` and ``rotate_qk_``, or None."""
     return _load("fused_ops")
@@ -184,6 +192,6 @@ def _why_unavailable(name: str) -> str:
 def kernel_status() -> str:
     parts = []
     for name, loader in (("paged_attention", paged_attention_ops), ("linear_stream", stream_ops),
-                         ("int8_linear", int8_ops), ("fused_ops", fused_ops), ("decode_loop", decode_loop_ops)):
+                         ("int8_linear", int8_ops), ("int4_linear", int4_ops), ("fused_ops", fused_ops), ("decode_loop", decode_loop_ops)):
         parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_why_unavailable(name)})"))
     return ", ".join(parts)

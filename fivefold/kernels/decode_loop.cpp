@@ -23,7 +23,9 @@
 // copy, its large-batch weight), a per-channel or per-group scale (int8 weights), a bias, and the
 // weight for larger batches: oneDNN's packed weight, or the row-major one. Up to
 // `stream_max_rows` rows (and for int8 weights always) it runs fivefold::stream_linear; above,
-// oneDNN's packed GEMM, or at::linear on the row-major weight.
+// oneDNN's packed GEMM, or at::linear on the row-major weight. A 4-bit linear (uint8 weight in
+// fivefold::int4_pack's layout) always runs fivefold::int4_linear: its scale, its bias, and in the
+// last slot its group offsets (empty: symmetric).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -55,6 +57,7 @@ c10::IValue maybe(const torch::Tensor& t) { return t.numel() > 0 ? c10::IValue(t
 struct Ops {
   const c10::OperatorHandle stream = op("fivefold::stream_linear");
   const c10::OperatorHandle int8_stream = op("fivefold::int8_weight_linear");  // the same kernel, named for the profiler
+  const c10::OperatorHandle int4 = op("fivefold::int4_linear");
   const c10::OperatorHandle packed = op("mkldnn::_linear_pointwise");
   const c10::OperatorHandle attention = op("fivefold::paged_decode_attention");
   const c10::OperatorHandle chunk_attention = op("fivefold::paged_prefill_attention");
@@ -72,6 +75,7 @@ const Ops& ops() {
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, int64_t stream_max_rows) {
   const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
   if (w.scalar_type() == torch::kInt8) return call(ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
+  if (w.scalar_type() == torch::kUInt8) return call(ops().int4, {x, w, scale, maybe(large), maybe(bias)})[0].toTensor();
   if (w.numel() > 0 && x.size(0) <= stream_max_rows) {  // no streaming copy: the large-batch weight serves
     return call(ops().stream, {x, w, maybe(scale), maybe(bias)})[0].toTensor();
   }

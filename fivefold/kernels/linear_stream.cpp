@@ -25,9 +25,6 @@
 // directory is per -march, and stream_linear checks W).
 #include <torch/extension.h>
 #include <omp.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -36,6 +33,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "tiles.h"
 
 namespace {
 
@@ -192,48 +190,6 @@ void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_
 
 }  // namespace
 
-// Copies between a row-major [N, Kp] weight and the kernel's layout [N, Kp / W, W], either way:
-// full tiles are [tiles, C, steps, W] row-major and [tiles, steps, C, W] in the layout; the narrower
-// last tile of c channels is [c, steps, W] and [steps, c, W].
-void relayout(const torch::Tensor& row_major, const torch::Tensor& packed, bool to_packed) {
-  const int64_t N = row_major.size(0), steps = packed.size(1), full = N / kChannels * kChannels, rest = N - full;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> parts;  // (row-major view, packed view permuted to it)
-  if (full > 0)
-    parts.emplace_back(row_major.narrow(0, 0, full).view({full / kChannels, kChannels, steps, kWidth}),
-                       packed.narrow(0, 0, full).view({full / kChannels, steps, kChannels, kWidth}).permute({0, 2, 1, 3}));
-  if (rest > 0)
-    parts.emplace_back(row_major.narrow(0, full, rest).view({rest, steps, kWidth}),
-                       packed.narrow(0, full, rest).view({steps, rest, kWidth}).permute({1, 0, 2}));
-  for (auto& [rows, tiles] : parts) to_packed ? tiles.copy_(rows) : rows.copy_(tiles);
-}
-
-// A weight is read front to back once per decode step. On 4 KB pages each page is a TLB miss (a
-// two-level walk inside a VM) and a point where the hardware prefetcher stops; on 2 MB pages it
-// streamed 5-8% faster (Zen 3, 121 SmolLM2 matrices from DRAM, alternating runs: float32
-// 12.6-14.6 -> 13.1-15.6 GB/s, int8 10.6-12.1 -> 10.7-12.7). Transparent huge pages are asked for
-// with madvise, the mode most distributions default to; where THP is off, the memory is plain
-// 4 KB pages, as torch::empty's would be. Below 2 MB (no whole huge page) it is torch::empty.
-torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, const torch::TensorOptions& options) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const size_t nbytes = c10::multiply_integers(sizes) * options.dtype().itemsize();
-  if (nbytes >= kHuge) {
-    const size_t len = (nbytes + 4095) / 4096 * 4096;
-    void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw != MAP_FAILED) {
-      // Keep the 2 MB-aligned part of the mapping, so that every whole 2 MB of the weight can be a huge page.
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw), start = (begin + kHuge - 1) & ~(kHuge - 1);
-      if (start > begin) munmap(raw, start - begin);
-      if (const uintptr_t end = begin + len + kHuge; end > start + len) munmap(reinterpret_cast<void*>(start + len), end - start - len);
-      void* data = reinterpret_cast<void*>(start);
-      madvise(data, len, MADV_HUGEPAGE);  // advice: where THP is off it does nothing, and the pages stay 4 KB
-      return torch::from_blob(data, sizes, [len](void* ptr) { munmap(ptr, len); }, options);
-    }
-  }
-#endif
-  return torch::empty(sizes, options);
-}
-
 // w: [N, K] row-major -> [N, Kp / W, W] in the kernel's layout (Kp: K rounded up to the vector
 // width W, zero-padded). The shape keeps N and Kp; the memory is tile-major (see the top).
 torch::Tensor stream_pack(torch::Tensor w) {
@@ -241,7 +197,7 @@ torch::Tensor stream_pack(torch::Tensor w) {
   const int64_t steps = (w.size(1) + kWidth - 1) / kWidth;
   const torch::Tensor padded = at::constant_pad_nd(w, {0, steps * kWidth - w.size(1)}).contiguous();
   auto out = empty_on_huge_pages({w.size(0), steps, kWidth}, w.options());
-  relayout(padded, out, /*to_packed=*/true);
+  relayout(padded, out, kChannels, /*to_packed=*/true);
   return out;
 }
 
@@ -250,7 +206,7 @@ torch::Tensor stream_unpack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.is_contiguous(),
               "stream_unpack: expects a weight from this build's stream_pack ([N, Kp/", kWidth, ", ", kWidth, "])");
   auto out = torch::empty({w.size(0), w.size(1) * kWidth}, w.options());
-  relayout(out, w, /*to_packed=*/false);
+  relayout(out, w, kChannels, /*to_packed=*/false);
   return out;
 }
 

@@ -7,8 +7,8 @@ Python between them (module calls, views, the KV write's index_put) costs a fift
 SiLU * up) back to back. The embedding lookup, the RoPE table lookup and the LM head stay in
 Python: one call each per step.
 
-It serves float32 Llama-family models whose projections are ``nn.Linear``, ``PackedLinear`` or
-W8A16 ``Int8Linear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
+It serves float32 Llama-family models whose projections are ``nn.Linear``, ``PackedLinear``,
+W8A16 ``Int8Linear`` or 4-bit ``Int4Linear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
 the C++ loop: such models keep the Python loop, :meth:`NativeDecoder.unsupported_reason` says
 why). A step runs here when each of its sequences adds at most ``MAX_QUERY_LEN`` tokens to a
 context already in the cache: decode steps (the paged decode kernel), and steps verifying
@@ -37,6 +37,7 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     """(streaming weight in fivefold::stream_pack's layout or empty, per-channel or group scales, bias,
     the weight for larger batches: oneDNN-packed, or row-major for at::linear), or why it cannot run."""
     from fivefold.kernels import stream_ops
+    from fivefold.models.int4_linear import Int4Linear
     from fivefold.models.int8_linear import Int8Linear
 
     bias = getattr(linear, "bias", None)
@@ -47,6 +48,12 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     if type(linear) is nn.Linear:
         weight = linear.weight.detach()
         return [stream_ops().stream_pack(weight), _NONE, bias, weight]
+    if isinstance(linear, Int4Linear):  # the group offsets ride in the large-batch slot (int4 always streams)
+        packed = linear.kernel_tensors()
+        if packed is None:
+            return "4-bit projections without the int4 kernel"
+        w, scale, offset = packed
+        return [w, scale, bias, _NONE if offset is None else offset]
     if isinstance(linear, Int8Linear):
         if linear.scheme != "w8a16":
             return f"{linear.scheme} quantizes activations"

@@ -17,8 +17,9 @@ def test_build_directory_names_the_torch_install_and_the_instruction_set():
 
 
 def test_without_a_compiler_every_path_falls_back_with_one_warning(tmp_path):
-    """A fresh cache and no C++ compiler: one warning per kernel, kernel_status says why, and the int8
-    layers still compute the exact integer sums (W8A8 through the float64 fallback)."""
+    """A fresh cache and no C++ compiler: one warning per kernel, kernel_status says why, the int8
+    layers still compute the exact integer sums (W8A8 through the float64 fallback) and the 4-bit
+    layers their dequantized product."""
     code = """
 import warnings
 import torch
@@ -40,8 +41,13 @@ with warnings.catch_warnings(record=True) as caught:
     assert q.kernel in ("float64-exact", "int_mm"), q.kernel
     w16 = Int8Linear.from_float(lin, Int8Config("w8a16"))
     assert w16.kernel == "dequant-tiles" and torch.isfinite(w16(x)).all()
+    from fivefold.models.int4_linear import Int4Format, Int4Linear
+    w4 = Int4Linear.from_float(nn.Linear(64, 24), Int4Format(group_size=32))
+    x4 = torch.randn(3, 64)
+    assert w4.kernel == "dequant" and w4.qweight is not None  # the checkpoint form, dequantized per call
+    torch.testing.assert_close(w4(x4), x4 @ w4.dequantized_weight().t() + w4.bias, rtol=1e-5, atol=1e-5)
 mine = [str(w.message) for w in caught if "fivefold: kernel" in str(w.message)]
-assert len(mine) == 3, mine  # one per kernel, however often it is asked for
+assert len(mine) == 4, mine  # one per kernel, however often it is asked for
 assert "int8_linear unavailable" in status, status
 print("ok")
 """

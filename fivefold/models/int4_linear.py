@@ -1,0 +1,275 @@
+"""``Int4Linear``: 4-bit weights with one scale (and offset) per group of a row's columns (W4A16).
+
+A weight w [N, K] is stored as codes q in 0..15, two per byte, with float16 scale and offset per
+group of ``group_size`` consecutive columns of a row:
+
+    w = scale * q + offset              (asymmetric: GGUF Q4_1's "minimum" form, offset = min)
+    w = scale * (q - 8)                 (symmetric: GGUF Q4_0; no offset is stored)
+
+A zero-point checkpoint (GPTQ, AWQ: ``w = s (q - z)``) is the same form with ``offset = -s z``, and
+GGUF's Q4_0/Q4_1 blocks are groups of 32 in exactly these forms, so one kernel serves them all
+(``fivefold::int4_linear``, fivefold/kernels/int4_linear.cpp). Group sizes are powers of two from
+32 to 256; K must be a multiple of 32; the last group of a row may be shorter (SmolLM2's K = 576 in
+groups of 128 is four groups of 128 and one of 64, as GPTQ's checkpoints do it).
+
+Checkpoint form (the state dict): ``qweight`` uint8 [N, K / 2] (column 2i in the low nibble of
+byte i, column 2i + 1 in the high one), ``scale`` float16 [N, groups], ``offset`` float16 [N,
+groups] (asymmetric only), ``bias`` float32 (or absent). In memory the layer holds the kernel's
+tile-major layout only (one copy); the state dict unpacks it.
+
+Decode batches (up to ``SMALL_BATCH`` rows) run the streaming kernel, which reads each weight byte
+once per call; larger batches (prefill) dequantize ``DEQUANT_TILE`` output channels at a time and
+run a float GEMM. Without the compiled kernels every call dequantizes (the PyTorch path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.errors import FivefoldError
+from fivefold.kernels import int4_ops
+
+GROUP_SIZES = (32, 64, 128, 256)
+COLUMN_MULTIPLE = 32  # K must be a multiple of it: one byte vector of the kernel on AVX-512
+SMALL_BATCH = 64  # rows up to which the streaming kernel runs
+DEQUANT_TILE = 4096  # output channels dequantized at a time for larger batches (a multiple of 4)
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    """How a layer's weights are held in 4 bits.
+
+    group_size: columns per scale (32, 64, 128 or 256; 128 is GPTQ's and AWQ's default).
+    symmetric: codes q - 8 times one scale per group (GGUF Q4_0); False (default) adds a per-group
+        offset (GGUF Q4_1's minimum, GPTQ's and AWQ's zero point), which fits skewed groups better
+        for 16 more bits per group.
+    """
+
+    group_size: int = 128
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise FivefoldError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} for 4-bit weights, "
+                                f"got {self.group_size}")
+
+    def bits_per_weight(self, in_features: int | None = None) -> float:
+        """4 bits + a float16 scale (and offset) per group (per weight of a row of ``in_features``)."""
+        groups = 1 / self.group_size if in_features is None else -(-in_features // self.group_size) / in_features
+        return 4 + 16 * groups * (1 if self.symmetric else 2)
+
+
+def check_shape(in_features: int, what: str = "in_features") -> None:
+    if in_features % COLUMN_MULTIPLE:
+        raise FivefoldError(f"4-bit weights need {what} to be a multiple of {COLUMN_MULTIPLE}, got {in_features}")
+
+
+@dataclass
+class Int4Quantized:
+    """A 4-bit weight as computed or read: codes ``q`` uint8 [N, K] (0..15, one per byte), ``scale``
+    float16 [N, groups], ``offset`` float16 [N, groups] or None (symmetric: q - 8)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.q, self.scale, self.offset, self.group_size).to(dtype)
+
+
+def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, groups, group_size], the last group padded with zeros."""
+    n, k = t.shape
+    groups = -(-k // group_size)
+    if groups * group_size != k:
+        t = torch.nn.functional.pad(t, (0, groups * group_size - k))
+    return t.reshape(n, groups, group_size)
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """float32 [N, K] of codes ``q`` (uint8 [N, K]) with per-group float16 ``scale`` and ``offset``."""
+    n, k = q.shape
+    s = scale.float()[:, :, None]
+    o = (-8 * s) if offset is None else offset.float()[:, :, None]
+    return (_grouped(q.float(), group_size) * s + o).reshape(n, -1)[:, :k]
+
+
+def quantize_int4(w: torch.Tensor, fmt: Int4Format) -> Int4Quantized:
+    """Round to nearest, per group (the RTN baseline; GPTQ and AWQ choose the same form better).
+
+    Asymmetric: scale = (max - min) / 15, offset = min, both rounded to float16 first and the codes
+    computed against the rounded values (what the kernel will multiply by). Symmetric: scale =
+    amax / 8 with the sign of the largest-magnitude weight, so that weight is exactly -8 (GGUF's
+    Q4_0 choice: one more level on the side of the extreme than amax / 7)."""
+    w = w.detach().float()
+    n, k = w.shape
+    check_shape(k)
+    g = _grouped(w, fmt.group_size)
+    if fmt.symmetric:
+        idx = g.abs().argmax(dim=2, keepdim=True)
+        extreme = g.gather(2, idx)
+        scale = (extreme / -8).to(torch.float16)
+        s = scale.float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.clamp(torch.round(g / s) + 8, 0, 15)
+        offset = None
+    else:
+        lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+        if k % fmt.group_size:  # the padded zeros of a short last group are not weights
+            real = torch.arange(g.shape[1] * fmt.group_size).reshape(1, g.shape[1], fmt.group_size) < k
+            lo = torch.where(real, g, torch.full_like(g, float("inf"))).amin(dim=2, keepdim=True)
+            hi = torch.where(real, g, torch.full_like(g, -float("inf"))).amax(dim=2, keepdim=True)
+        scale = ((hi - lo) / 15).to(torch.float16)
+        offset = lo.to(torch.float16)
+        s = scale.float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.clamp(torch.round((g - offset.float()) / s), 0, 15)
+        offset = offset[:, :, 0].contiguous()
+    q = q.to(torch.uint8).reshape(n, -1)[:, :k].contiguous()
+    return Int4Quantized(q, scale[:, :, 0].contiguous(), offset, fmt.group_size)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] -> [N, K / 2], column 2i in the low nibble of byte i."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`."""
+    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with 4-bit weights (see the module docstring for the format and the kernels)."""
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, fmt: Int4Format) -> None:
+        super().__init__()
+        check_shape(in_features)
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        groups = -(-in_features // fmt.group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale", torch.ones(out_features, groups, dtype=torch.float16))
+        self.register_buffer("offset", None if fmt.symmetric else torch.zeros(out_features, groups, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
+        self._prepared: dict | None = None  # the kernel's operands, when it is built and the layer packed
+
+    @classmethod
+    def from_quantized(cls, quantized: Int4Quantized, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """The layer holding ``quantized`` (packed for the kernel at once: one copy)."""
+        n, k = quantized.q.shape
+        fmt = Int4Format(group_size=quantized.group_size, symmetric=quantized.offset is None)
+        module = cls(k, n, bias is not None, fmt)
+        if module.scale.shape != quantized.scale.shape:
+            raise FivefoldError(f"4-bit scales of shape {tuple(quantized.scale.shape)} do not fit a [{n}, {k}] weight "
+                                f"in groups of {fmt.group_size}")
+        module.qweight, module.scale = pack_nibbles(quantized.q), quantized.scale.to(torch.float16).contiguous()
+        if quantized.offset is not None:
+            module.offset = quantized.offset.to(torch.float16).contiguous()
+        if bias is not None:
+            module.bias = bias.detach().float().contiguous()
+        return module.pack_()
+
+    @classmethod
+    def from_float(cls, linear: nn.Module, fmt: Int4Format) -> "Int4Linear":
+        """Round-to-nearest of an ``nn.Linear`` (or anything with ``weight`` and ``bias``)."""
+        from fivefold.models.int8_linear import dense_weight
+
+        return cls.from_quantized(quantize_int4(dense_weight(linear), fmt), getattr(linear, "bias", None))
+
+    @property
+    def kernel(self) -> str:
+        return "fivefold-w4a16" if int4_ops() is not None else "dequant"
+
+    def pack_(self) -> "Int4Linear":
+        """Hold the weight (and its scales) in the kernel's layout only, once the kernel is built."""
+        ops = int4_ops()
+        if self._prepared is None and ops is not None:
+            q = unpack_nibbles(self.qweight)
+            self._prepared = {"w": ops.int4_pack(q), "scale": ops.int4_pack_groups(self.scale, True),
+                            "offset": None if self.offset is None else ops.int4_pack_groups(self.offset, True)}
+            del q
+            for name in ("qweight", "scale", "offset"):
+                self._buffers[name] = None
+        return self
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q uint8 [N, K], scale, offset) row-major, unpacked from the kernel's layout if need be."""
+        p = self._prepared
+        if p is None:
+            return unpack_nibbles(self.qweight), self.scale, self.offset
+        ops = int4_ops()
+        offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"], False)
+        return ops.int4_unpack(p["w"]), ops.int4_pack_groups(p["scale"], False), offset
+
+    def dequantized_weight(self) -> torch.Tensor:
+        q, scale, offset = self.codes()
+        return dequantize_int4(q, scale, offset, self.format.group_size)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._prepared is not None:
+            q, scale, offset = self.codes()
+            destination[prefix + "qweight"] = pack_nibbles(q)
+            destination[prefix + "scale"] = scale
+            if offset is not None:
+                destination[prefix + "offset"] = offset
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._prepared is not None:  # held packed: take row-major buffers again, then pack them
+            groups = -(-self.in_features // self.format.group_size)
+            self._buffers["qweight"] = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8)
+            self._buffers["scale"] = torch.empty(self.out_features, groups, dtype=torch.float16)
+            if not self.format.symmetric:
+                self._buffers["offset"] = torch.empty(self.out_features, groups, dtype=torch.float16)
+            self._prepared = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.pack_()
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(weight, scale, offset) in the kernel's layout, or None on the PyTorch path."""
+        p = self._prepared
+        return None if p is None else (p["w"], p["scale"], p["offset"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        p = self._prepared
+        if p is not None and x2.shape[0] <= SMALL_BATCH:
+            y = int4_ops().int4_linear(x2.contiguous(), p["w"], p["scale"], p["offset"], self.bias)
+        else:
+            y = self._dequantized_matmul(x2)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill: dequantize a tile of output channels at a time (the weights stay 4-bit)."""
+        p, g = self._prepared, self.format.group_size
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for n0 in range(0, self.out_features, DEQUANT_TILE):  # tiles of 4 channels: a slice stays in the layout
+            n1 = min(n0 + DEQUANT_TILE, self.out_features)
+            if p is None:
+                q = unpack_nibbles(self.qweight[n0:n1])
+                scale, offset = self.scale[n0:n1], None if self.offset is None else self.offset[n0:n1]
+            else:
+                ops = int4_ops()
+                q = ops.int4_unpack(p["w"][n0:n1])
+                scale = ops.int4_pack_groups(p["scale"][n0:n1], False)
+                offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"][n0:n1], False)
+            w = dequantize_int4(q, scale, offset, g).to(x.dtype)
+            out[:, n0:n1] = x @ w.t()
+        return out + self.bias.to(x.dtype) if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.format.symmetric else "asymmetric"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.format.group_size}, "
+                f"{kind}, bias={self.bias is not None}, kernel={self.kernel}")

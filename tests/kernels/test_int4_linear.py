@@ -1,0 +1,147 @@
+"""fivefold::int4_linear, the 4-bit streaming linear: against a float64 reference of the dequantized
+weights for every row count (the row groups and their remainder), group size (including a short
+last group), symmetric and asymmetric codes, and N not a multiple of the channel tile; the
+layouts round-trip exactly; bad operands are refused in one line. Runs on the forced-AVX2 leg too
+(Makefile ISA_TESTS), where a step is 16 columns instead of 32."""
+
+import pytest
+import torch
+
+from fivefold.errors import FivefoldError
+from fivefold.kernels import int4_ops
+from fivefold.models.int4_linear import (
+    Int4Format,
+    Int4Linear,
+    Int4Quantized,
+    dequantize_int4,
+    pack_nibbles,
+    quantize_int4,
+    unpack_nibbles,
+)
+
+
+def _codes(n, k, group, symmetric, gen):
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, groups, generator=gen) / 20 + 1e-3).half()
+    offset = None if symmetric else (torch.randn(n, groups, generator=gen) / 10).half()
+    return q, scale, offset
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 64)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_linear_matches_float64(rows, n, k, group, symmetric):
+    ops = int4_ops()
+    assert ops is not None, "the int4 kernel must build here"
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k + group + symmetric)
+    q, scale, offset = _codes(n, k, group, symmetric, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    w = ops.int4_pack(q)
+    assert torch.equal(ops.int4_unpack(w), q)  # every code where the layout says
+    s = ops.int4_pack_groups(scale, True)
+    o = None if offset is None else ops.int4_pack_groups(offset, True)
+    assert torch.equal(ops.int4_pack_groups(s, False), scale)
+    y = ops.int4_linear(x, w, s, o, bias)
+    ref = x.double() @ dequantize_int4(q, scale, offset, group).double().t() + bias.double()
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
+
+
+def test_dequantize_matches_the_formula_elementwise():
+    """w = scale * q + offset, and scale * (q - 8) when symmetric, group by group (the last short)."""
+    gen = torch.Generator().manual_seed(0)
+    q, scale, offset = _codes(3, 96, 64, False, gen)
+    w = dequantize_int4(q, scale, offset, 64)
+    for col in (0, 63, 64, 95):
+        g = col // 64
+        assert torch.equal(w[:, col], scale[:, g].float() * q[:, col].float() + offset[:, g].float())
+    ws = dequantize_int4(q, scale, None, 64)
+    assert torch.equal(ws[:, 70], scale[:, 1].float() * (q[:, 70].float() - 8))
+
+
+def test_int4_linear_keeps_bf16_activations_and_refuses_bad_input():
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(1)
+    q, scale, _ = _codes(8, 64, 32, True, gen)
+    w, s = ops.int4_pack(q), ops.int4_pack_groups(scale, True)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    y = ops.int4_linear(x, w, s, None, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ dequantize_int4(q, scale, None, 32).t(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.int4_linear(torch.randn(2, 128), w, s, None, None)
+    with pytest.raises(RuntimeError, match="must come from this build's int4_pack"):
+        ops.int4_linear(torch.randn(2, 64), q, s, None, None)  # unpacked codes
+    with pytest.raises(RuntimeError, match="groups do not split K"):
+        ops.int4_linear(torch.randn(2, 64), w, ops.int4_pack_groups(scale.repeat(1, 3)[:, :3], True), None, None)
+    with pytest.raises(RuntimeError, match="values must be in 0..15"):
+        ops.int4_pack(q + 16)
+    with pytest.raises(RuntimeError, match="must be a multiple of"):
+        ops.int4_pack(torch.zeros(4, 40, dtype=torch.uint8))
+
+
+def test_nibble_packing_round_trips():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8, generator=gen)
+    packed = pack_nibbles(q)
+    assert packed.shape == (5, 32) and packed[0, 0] == q[0, 0] | (q[0, 1] << 4)
+    assert torch.equal(unpack_nibbles(packed), q)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_rtn_error_is_within_half_a_step(symmetric, group):
+    """Every weight is within half a quantization step of its code (plus the float16 rounding of
+    the scale and offset, and the symmetric grid's one clipped level on the far side)."""
+    gen = torch.Generator().manual_seed(group)
+    w = torch.randn(48, 576, generator=gen) / 10
+    w[0, :7] = 0.0  # a group partly constant
+    w[1, :group] = 0.25  # a constant group: scale 0 must not divide by zero
+    fmt = Int4Format(group_size=group, symmetric=symmetric)
+    qz = quantize_int4(w, fmt)
+    assert qz.q.dtype == torch.uint8 and int(qz.q.max()) <= 15
+    err = (qz.dequantize() - w).abs()
+    step = qz.scale.float().abs().repeat_interleave(group, dim=1)[:, :576]
+    bound = (step if symmetric else step / 2) * 1.01 + 1e-3 * w.abs()
+    assert bool((err <= bound + 1e-6).all()), float((err - bound).max())
+    assert float(err[1, :group].max()) < 1e-3
+    # 4 bits in groups of 32 of Gaussian weights: ~20 dB SQNR (asymmetric), at least 17 dB symmetric
+    from fivefold.models.int8_primitives import sqnr_db
+
+    assert sqnr_db(w, qz.dequantize()) > (17 if symmetric else 18) - 2 * (group // 64)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 65, 200])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_module_matches_its_dequantized_weight(rows, symmetric):
+    """The streaming kernel (up to 64 rows) and the dequantized-tile GEMM (above) both compute
+    x @ dequantized(W).T + b; the state dict is the checkpoint form and loads back exactly."""
+    gen = torch.Generator().manual_seed(rows + 7 * symmetric)
+    linear = torch.nn.Linear(576, 4101 + 3, bias=True)  # N not a multiple of the tile or of DEQUANT_TILE
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) / 20)
+    module = Int4Linear.from_float(linear, Int4Format(group_size=128, symmetric=symmetric))
+    assert module.kernel == "fivefold-w4a16" and module.qweight is None  # one copy: the kernel's layout
+    x = torch.randn(rows, 576, generator=gen)
+    ref = x.double() @ module.dequantized_weight().double().t() + linear.bias.double()
+    torch.testing.assert_close(module(x).double(), ref, rtol=1e-4, atol=1e-3)
+    state = module.state_dict()
+    assert state["qweight"].shape == (4104, 288) and state["scale"].dtype == torch.float16
+    assert ("offset" in state) != symmetric
+    again = Int4Linear(576, 4104, True, Int4Format(group_size=128, symmetric=symmetric))
+    again.load_state_dict(state)
+    assert torch.equal(again.dequantized_weight(), module.dequantized_weight())
+    assert torch.equal(again(x), module(x))
+
+
+def test_bad_formats_are_refused_in_one_line():
+    with pytest.raises(FivefoldError, match="group_size must be one of 32, 64, 128, 256"):
+        Int4Format(group_size=48)
+    with pytest.raises(FivefoldError, match="multiple of 32, got 100"):
+        quantize_int4(torch.randn(4, 100), Int4Format(group_size=32))
+    gen = torch.Generator().manual_seed(3)
+    q, scale, offset = _codes(4, 64, 32, False, gen)
+    with pytest.raises(FivefoldError, match="do not fit"):
+        Int4Linear.from_quantized(Int4Quantized(q, scale[:, :1], offset[:, :1], 32))
