@@ -27,7 +27,9 @@ class LLM:
         """``engine_options``: EngineConfig's fields (e.g. ``speculative="ngram"``). ``draft``: an
         already loaded draft model for ``speculative="draft"`` (else ``draft_model`` is loaded).
         ``quantization="w8a16"``: int8 weights quantized tensor by tensor while loading (as
-        ``fivefold quantize --scheme w8a16`` writes them, without the float model in memory).
+        ``fivefold quantize --scheme w8a16`` writes them, without the float model in memory);
+        ``"w4a16"``: 4-bit weights the same way (round to nearest, groups of 128 with a minimum);
+        ``"gguf"``: a GGUF file's Q4_0/Q4_1 blocks served as they are.
 
         Given a name or path, the engine owns the model: it is loaded tensor by tensor straight into
         the served layout (one copy of every weight). Given a :class:`LoadedModel`, the caller keeps

@@ -40,7 +40,8 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
     """A complete, validated run configuration (every engine option spelled out).
 
     ``quantization``: an ``Int8Config.to_dict()`` applied before the run (calibrated on 16
-    windows of the calibration text when the config needs data); ``eval_windows``: also
+    windows of the calibration text when the config needs data), or ``{"on_load": Q}`` with Q a
+    load-time form (``w8a16``, ``w4a16``, ``gguf``: see :func:`fivefold.models.load_model`); ``eval_windows``: also
     measure held-out perplexity on that many 256-token windows.
     """
     from fivefold.engine.config import EngineConfig
@@ -50,7 +51,12 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
         raise FivefoldError(f"workload must be one of {', '.join(WORKLOADS)}, got '{workload}'")
     if min(num_requests, input_len, output_len) < 1 or prefix_len < 0:
         raise FivefoldError("num_requests, input_len and output_len must be >= 1, prefix_len >= 0")
-    if quantization is not None:
+    if quantization is not None and "on_load" in quantization:
+        from fivefold.models.assemble import ServedForm
+
+        ServedForm(quantization=quantization["on_load"])  # validated
+        quantization = {"on_load": quantization["on_load"]}
+    elif quantization is not None:
         quantization = Int8Config.from_dict(quantization).to_dict()  # validated, every field spelled out
     return {"model": model, "dtype": dtype, "workload": workload, "num_requests": num_requests,
             "input_len": input_len, "output_len": output_len, "prefix_len": prefix_len, "seed": seed,
@@ -71,11 +77,11 @@ def prepared_model(config: dict, loaded=None):
 
     wanted = config.get("quantization")
     if loaded is None or (loaded.quantization is not None and loaded.quantization != wanted):
-        on_load = wanted is not None and wanted == Int8Config(scheme="w8a16").to_dict()
+        on_load = wanted is not None and (wanted == Int8Config(scheme="w8a16").to_dict() or "on_load" in wanted)
         # plain W8A16 needs no data: quantized tensor by tensor while loading (the same int8 values)
         # loaded as the engine serves it (one copy of every weight), refused if it cannot fit
         engine = EngineConfig.from_options(**config["engine"])
-        quantization = "w8a16" if on_load else None
+        quantization = (wanted.get("on_load", "w8a16") if on_load else None)
         dtype = parse_dtype(config["dtype"])
         # (dense when a calibrated recipe quantizes it after loading: SmoothQuant rescales dense weights)
         layout = engine.weight_layout if wanted is None or on_load else "dense"

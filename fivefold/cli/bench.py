@@ -54,7 +54,8 @@ def run(args) -> int:
         if args.quantization is not None:
             from fivefold.quant.config import Int8Config
 
-            quantization = Int8Config(scheme=args.quantization).to_dict()
+            quantization = (Int8Config(scheme=args.quantization).to_dict() if args.quantization == "w8a16"
+                            else {"on_load": args.quantization})
         config = make_config(args.model, args.dtype, args.workload, args.num_requests, args.input_len,
                              args.output_len, args.prefix_len, args.seed, quantization=quantization,
                              **common.engine_options(args))

@@ -12,9 +12,11 @@ from fivefold.models.registry import DEFAULT_LLM
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_LLM, help=f"built-in name, HF directory or GGUF file (default {DEFAULT_LLM})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a16"],
+    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "gguf"],
                    help="w8a16: int8 weights (one scale per output channel) quantized tensor by tensor while "
-                        "loading; calibrated schemes: fivefold quantize. A GGUF's Q8_0 tensors stay int8 anyway")
+                        "loading; w4a16: 4-bit weights (groups of 128 with a minimum, round to nearest; the LM "
+                        "head 8-bit); gguf: a GGUF file's Q4_0/Q4_1 blocks served as they are (dequantized to "
+                        "--dtype otherwise). Calibrated schemes: fivefold quantize. A GGUF's Q8_0 tensors stay int8 anyway")
     p.add_argument("--kv-cache-memory-bytes", type=float, default=None,
                    help="KV cache pool in bytes (default 1 GiB)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,

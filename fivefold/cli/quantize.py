@@ -8,9 +8,14 @@ from fivefold.models.registry import DEFAULT_LLM
 
 def add_parser(sub) -> None:
     """``fivefold quantize``'s arguments."""
-    qz = sub.add_parser("quantize", help="INT8: quantize an LLM, measure it against float, write a model directory")
+    qz = sub.add_parser("quantize", help="INT8 or 4-bit: quantize an LLM, measure it against float, write a model directory")
     qz.add_argument("--model", default=DEFAULT_LLM)
-    qz.add_argument("--scheme", default="w8a16", choices=["w8a16", "w8a8"])
+    qz.add_argument("--scheme", default="w8a16", choices=["w8a16", "w8a8", "w4a16"])
+    qz.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
+                    help="w4a16: round to nearest, GPTQ or AWQ (GPTQ and AWQ calibrate on --num-calibration windows)")
+    qz.add_argument("--group-size", type=int, default=128, help="w4a16: weights per scale (32, 64, 128, 256)")
+    qz.add_argument("--symmetric-weights", action="store_true",
+                    help="w4a16: codes q - 8 with one scale per group (GGUF Q4_0), no minimum")
     qz.add_argument("--activation", default="dynamic", choices=["dynamic", "static"], help="w8a8 activations")
     qz.add_argument("--activation-granularity", default="per-token", choices=["per-token", "per-tensor"],
                     help="dynamic activations: one scale per token or per tensor")
@@ -50,11 +55,17 @@ def run(args) -> int:
 
     if min(args.num_calibration, args.num_eval, args.window) < 1:
         raise FivefoldError("--num-calibration, --num-eval and --window must be >= 1")
-    config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
-                        activation_granularity=args.activation_granularity,
-                        activation_symmetric=not args.asymmetric, calibration=args.calib,
-                        percentile=args.percentile, bias_correction=args.bias_correction,
-                        smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
+    if args.scheme == "w4a16":
+        from fivefold.quant.int4 import Int4Config
+
+        config = Int4Config(group_size=args.group_size, symmetric=args.symmetric_weights, method=args.method,
+                            skip=tuple(args.skip))
+    else:
+        config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
+                            activation_granularity=args.activation_granularity,
+                            activation_symmetric=not args.asymmetric, calibration=args.calib,
+                            percentile=args.percentile, bias_correction=args.bias_correction,
+                            smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
     job = QuantizeJob(args.model, config, args.out, args.mixed_precision,
                       _fraction(args.max_ppl_increase, "--max-ppl-increase"), args.max_accuracy_drop,
                       args.num_calibration, args.num_eval, args.window)

@@ -23,6 +23,7 @@ from fivefold.models.forward import llm_forward
 from fivefold.models.int8_linear import Int8Linear, kernels_used
 from fivefold.platform import current_platform
 from fivefold.quant.config import Int8Config
+from fivefold.quant.int4 import Int4Config
 from fivefold.quant.quantize import QuantizationResult, quantize_
 
 NUM_CALIBRATION = 16  # calibration windows of the recipe (pydoc_data's calibration part)
@@ -49,7 +50,7 @@ def quantize_loaded(loaded, config: Int8Config, num_windows: int = NUM_CALIBRATI
 @dataclass(frozen=True)
 class QuantizeJob:
     model: str
-    config: Int8Config
+    config: Int8Config | Int4Config
     out: str
     mixed_precision: bool = False
     max_ppl_increase: float | None = None  # fraction, 0.005 = +0.5%
@@ -84,11 +85,13 @@ def build_quantized(job: QuantizeJob, console=None):
     )
 
     config = job.config
+    if isinstance(config, Int4Config):
+        return build_int4(job, console)
     if not job.mixed_precision and config == Int8Config(scheme="w8a16", skip=config.skip) and not config.skip:
         # Per-channel W8A16 needs no data: quantized tensor by tensor while loading, so that the float
         # model is never whole in memory (an 8B model quantizes in 24 GiB); the same int8 values.
-        loaded = load_model(job.model, before_weights=lambda c, is_int8, grouped: check_fits(
-            job.model, c, torch.float32, EngineConfig(), True, grouped=grouped), quantization="w8a16")
+        loaded = load_model(job.model, before_weights=lambda c, is_int8, bits, *_: check_fits(
+            job.model, c, torch.float32, EngineConfig(), True, bits=bits), quantization="w8a16")
         loaded.quantization = config.to_dict()
         return loaded, int8_module_names(loaded.model), [], None
     loaded = load_model(job.model)
@@ -131,9 +134,42 @@ def build_quantized(job: QuantizeJob, console=None):
     return loaded, int8_module_names(model), kept, scan
 
 
+def build_int4(job: QuantizeJob, console=None):
+    """4-bit weights (:func:`fivefold.quant.int4.quantize_int4_`): RTN in groups of 128 with a
+    minimum streams (quantized tensor by tensor while loading, as ``--quantization w4a16``); other
+    group sizes and GPTQ/AWQ load the float model, calibrate and quantize it."""
+    import torch
+
+    from fivefold.engine.config import EngineConfig
+    from fivefold.engine.memory_plan import check_fits
+    from fivefold.errors import FivefoldError
+    from fivefold.models import load_model
+    from fivefold.models.assemble import W4A16
+    from fivefold.quant.int4 import quantize_int4_
+
+    config = job.config
+    if job.mixed_precision:
+        raise FivefoldError("--mixed-precision chooses among int8 layers and float; with --scheme w4a16 it is "
+                            "not available yet")
+    if config.method == "rtn" and (config.group_size, config.symmetric) == (W4A16.group_size, W4A16.symmetric) \
+            and not config.skip and config.head_bits == 8:
+        loaded = load_model(job.model, before_weights=lambda c, is_int8, bits, *_: check_fits(
+            job.model, c, torch.float32, EngineConfig(), True, bits=bits), quantization="w4a16")
+    else:
+        loaded = load_model(job.model)
+        data = (text_windows(loaded.tokenizer, "calibration", job.num_calibration, job.window)
+                if config.uses_calibration else None)
+        quantize_int4_(loaded.model, config, data, llm_forward, show_progress=console is not None)
+    loaded.quantization = config.to_dict()
+    return loaded, int8_module_names(loaded.model), [], None
+
+
 def int8_module_names(model) -> list[str]:
-    """Every int8 layer of ``model``: those quantized here and those the checkpoint held (Q8_0)."""
-    return [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
+    """Every quantized layer of ``model`` (int8 and 4-bit): those quantized here and those the
+    checkpoint held (Q8_0, Q4_0, Q4_1)."""
+    from fivefold.models.int4_linear import Int4Linear
+
+    return [n for n, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
 
 
 def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:

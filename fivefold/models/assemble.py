@@ -4,9 +4,11 @@ The model is created on the meta device (no memory); every checkpoint tensor, as
 is cast to the served dtype, fused with its siblings (q/k/v, gate/up) once they are all there,
 and turned into the module that serves it: an ``nn.Linear`` (``weight_layout="dense"``), a
 :class:`~fivefold.models.layers.PackedLinear` (``"packed"``: oneDNN's layout replaces the dense
-weight), or a W8A16 :class:`~fivefold.models.int8_linear.Int8Linear` (``quantization="w8a16"``,
+weight), a W8A16 :class:`~fivefold.models.int8_linear.Int8Linear` (``quantization="w8a16"``,
 quantized per output channel as ``fivefold quantize --scheme w8a16`` does; and GGUF Q8_0
-tensors, kept int8 with their scale per block of 32). The float source of a tensor is dropped as
+tensors, kept int8 with their scale per block of 32), or an
+:class:`~fivefold.models.int4_linear.Int4Linear` (``quantization="w4a16"``: round to nearest in
+groups of 128 with a minimum; and, with ``quantization="gguf"``, GGUF Q4_0/Q4_1 tensors as they are). The float source of a tensor is dropped as
 soon as its served form exists, so a load's peak is the served model plus a fused tensor or two.
 """
 
@@ -21,12 +23,14 @@ from torch import nn
 
 from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
+from fivefold.models.int4_linear import Int4Format, Int4Linear, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
 from fivefold.models.layers import PackedLinear, RotaryEmbedding
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.platform import release_free_heap
 
-QUANTIZE_ON_LOAD = ("w8a16",)  # the schemes that need no calibration data
+QUANTIZE_ON_LOAD = ("w8a16", "w4a16")  # the schemes that need no calibration data
+AS_STORED = "gguf"  # a GGUF file's quantized blocks served as they are (Q4_0, Q4_1; Q8_0 always)
 LAYOUTS = ("dense", "packed")
 
 
@@ -39,7 +43,9 @@ class ServedForm:
         oneDNN cannot pack the dtype on this CPU the layer stays dense).
     stream_copy: packed layers also keep the streaming kernel's copy (faster decode at 1-4 rows,
         twice the memory: the engine turns it on for small models only).
-    quantization: None, or "w8a16" (int8 weights, one scale per output channel, quantized here).
+    quantization: None, "w8a16" (int8 weights, one scale per output channel, quantized here),
+        "w4a16" (4-bit weights, groups of 128 with a minimum, quantized here; a tied LM head W8A16)
+        or "gguf" (a GGUF file's 4-bit blocks kept as they are).
     """
 
     dtype: torch.dtype = torch.float32
@@ -50,12 +56,14 @@ class ServedForm:
     def __post_init__(self) -> None:
         if self.weight_layout not in LAYOUTS:
             raise ModelLoadError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got '{self.weight_layout}'")
-        if self.quantization is not None and self.quantization not in QUANTIZE_ON_LOAD:
-            raise ModelLoadError(f"quantization on load supports {', '.join(QUANTIZE_ON_LOAD)}, got "
+        if self.quantization is not None and self.quantization not in (*QUANTIZE_ON_LOAD, AS_STORED):
+            raise ModelLoadError(f"quantization on load supports {', '.join(QUANTIZE_ON_LOAD)} (and {AS_STORED}: a "
+                                 f"GGUF's blocks as they are), got "
                                  f"'{self.quantization}' (calibrated schemes: fivefold quantize)")
 
 
 W8A16 = Int8Format(scheme="w8a16")
+W4A16 = Int4Format(group_size=128, symmetric=False)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -70,11 +78,17 @@ def _fused_name(name: str) -> tuple[str, int, int]:
     return name, 0, 1
 
 
-def _cat(parts: list) -> torch.Tensor | GroupQuantized:
+def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int4Quantized:
     if all(isinstance(p, GroupQuantized) for p in parts):
         return GroupQuantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                               parts[0].group_size)
-    return torch.cat(parts)
+    if all(isinstance(p, Int4Quantized) for p in parts) and len({p.offset is None for p in parts}) == 1:
+        offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
+        return Int4Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
+                             parts[0].group_size)
+    # siblings stored in different block types (a Q4_K_M-style mix): served in float
+    return torch.cat([p.dequantize(dtype) if isinstance(p, (GroupQuantized, Int4Quantized)) else p.to(dtype)
+                      for p in parts])
 
 
 class _Assembler:
@@ -110,7 +124,7 @@ class _Assembler:
             if any(p is None for p in parts):
                 return
             del self.parts[served]
-            tensor = _cat(parts)
+            tensor = _cat(parts, self.form.dtype)
         self._place(served, tensor)
 
     def _part_shape(self, fused: str, index: int) -> tuple[int, ...]:
@@ -120,7 +134,7 @@ class _Assembler:
         return (rows, *shape[1:])
 
     def _cast(self, tensor):
-        if isinstance(tensor, GroupQuantized) or not tensor.is_floating_point():
+        if isinstance(tensor, (GroupQuantized, Int4Quantized)) or not tensor.is_floating_point():
             return tensor
         cast = tensor.to(self.form.dtype)
         return cast.clone() if cast.data_ptr() == tensor.data_ptr() else cast  # never a view of the file
@@ -140,11 +154,12 @@ class _Assembler:
             has_bias = self.model.get_submodule(module_name).bias is not None
             if "weight" in parts and ("bias" in parts or not has_bias):
                 del self.linear_parts[module_name]
-                self.model.set_submodule(module_name, self._linear(parts["weight"], parts.get("bias")))
+                self.model.set_submodule(module_name, self._linear(parts["weight"], parts.get("bias"),
+                                                                   head=module_name == "lm_head"))
                 del parts
                 release_free_heap()  # the float temporaries of this layer: back to the OS before the next
             return
-        if isinstance(tensor, GroupQuantized):  # an embedding or a norm stored Q8_0: looked up as float
+        if isinstance(tensor, (GroupQuantized, Int4Quantized)):  # an embedding or a norm stored quantized: looked up as float
             if name == "embed_tokens.weight" and self.config.is_tied_embeddings:
                 self.tied_source = tensor
             tensor = tensor.dequantize(self.form.dtype)
@@ -156,10 +171,15 @@ class _Assembler:
         else:
             module._buffers[kind] = tensor
 
-    def _linear(self, weight, bias) -> nn.Module:
+    def _linear(self, weight, bias, head: bool = False) -> nn.Module:
+        """The served module of one projection (``head``: the LM head, which W4A16 keeps 8-bit: its
+        errors land directly on the logits, and GPTQ and AWQ leave it unquantized too)."""
         form = self.form
         if bias is not None and isinstance(bias, torch.Tensor):
-            bias = bias.float() if (isinstance(weight, GroupQuantized) or form.quantization) else bias
+            quantized = isinstance(weight, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD
+            bias = bias.float() if quantized else bias
+        if isinstance(weight, Int4Quantized):
+            return Int4Linear.from_quantized(weight, bias)
         if isinstance(weight, GroupQuantized):
             fmt = Int8Format(scheme="w8a16", weight_granularity="per-group", group_size=weight.group_size)
             module = Int8Linear(weight.q.shape[1], weight.q.shape[0], bias is not None, fmt)
@@ -167,8 +187,10 @@ class _Assembler:
             if bias is not None:
                 module.bias = bias
             return module.pack_()
-        if form.quantization == "w8a16":
+        if form.quantization == "w8a16" or (form.quantization == "w4a16" and head):
             return Int8Linear.from_float(SimpleNamespace(weight=weight, bias=bias), W8A16).pack_()
+        if form.quantization == "w4a16":
+            return Int4Linear.from_float(SimpleNamespace(weight=weight, bias=bias), W4A16)
         if form.weight_layout == "packed" and PackedLinear.can_pack(weight.dtype):
             return PackedLinear.from_weight(weight, bias, stream_copy=form.stream_copy)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -198,8 +220,8 @@ class _Assembler:
         its own copy in the kernel's layout."""
         source, form = self.tied_source, self.form
         embedding = self.model.embed_tokens.weight
-        if isinstance(source, GroupQuantized) or form.quantization:
-            self.model.lm_head = self._linear(source, None)
+        if isinstance(source, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD:
+            self.model.lm_head = self._linear(source, None, head=True)
         elif form.weight_layout == "packed" and form.stream_copy and PackedLinear.can_pack(embedding.dtype):
             self.model.lm_head = PackedLinear.from_weight(embedding.detach(), None, stream_copy=True)
         else:

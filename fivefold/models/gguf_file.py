@@ -4,8 +4,11 @@ Read with the ``gguf`` package through its memory map, one tensor at a time (eac
 are released once it is converted). F32, F16 and BF16 tensors come as they are (the loader casts
 them to the served dtype); Q8_0 tensors stay int8 with their scale per block of 32
 (:class:`~fivefold.models.int8_linear.GroupQuantized`, served by the W8A16 kernel with group
-scales); the other block types ``gguf.quants`` knows (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are
-dequantized to float32 until 4-bit kernels serve them, with a one-line note saying so.
+scales). Q4_0 and Q4_1 tensors, when the caller keeps 4-bit blocks (``--quantization gguf``),
+become 4-bit codes with their block's float16 scale (and minimum) as they are
+(:class:`~fivefold.models.int4_linear.Int4Quantized`: groups of 32, served by the int4 kernel),
+never passing through float; otherwise they, and the block types without a kernel yet (Q4_K,
+Q5_K, Q6_K, ...), are dequantized to float32 with a one-line note saying so.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
+from fivefold.models.int4_linear import Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -133,15 +137,38 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def gguf_is_int8(reader) -> bool:
-    """Whether the file's projections are Q8_0 (served int8) rather than float or dequantized."""
-    from gguf import GGMLQuantizationType
+# Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0's
+# scales widened to float32, the 4-bit kernels' float16 scales and minimums as stored).
+SERVED_BITS = {"Q8_0": 9.0, "Q4_0": 4.5, "Q4_1": 5.0}
+FOUR_BIT = ("Q4_0", "Q4_1")
 
-    kinds = {t.tensor_type for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith("ffn_down.weight")}
-    return kinds == {GGMLQuantizationType.Q8_0}
+
+def gguf_served_bits(reader, keep_4bit: bool) -> float | None:
+    """Bits per projection weight as served (None: float at the served dtype): the block type of
+    every layer's ffn_down when it is one served as it is (Q8_0 always, Q4_0/Q4_1 with ``keep_4bit``)."""
+    kinds = {t.tensor_type.name for t in reader.tensors
+             if t.name.startswith("blk.") and t.name.endswith("ffn_down.weight")}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    return SERVED_BITS[kind] if kind == "Q8_0" or (keep_4bit and kind in FOUR_BIT) else None
 
 
 Q8_0_BLOCK = 32  # weights per Q8_0 block, after a float16 scale: 34 bytes
+Q4_BLOCK = 32  # weights per Q4_0/Q4_1 block: a float16 scale (Q4_1: and minimum), then 16 bytes of nibbles
+
+
+def _q4(data: np.ndarray, shape: tuple[int, ...], has_min: bool) -> Int4Quantized:
+    """Q4_0 (w = d (q - 8)) or Q4_1 (w = d q + m) blocks -> codes uint8 [N, K], float16 scales (and
+    minimums) [N, K / 32]. Byte j of a block holds weight j in its low nibble and j + 16 in its high."""
+    head = 4 if has_min else 2
+    blocks = np.asarray(data).reshape(-1, head + Q4_BLOCK // 2)
+    groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
+    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16).reshape(groups))
+    offset = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(groups)) if has_min else None
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, head:]))  # [blocks, 16]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(shape)
+    return Int4Quantized(q.contiguous(), scale.contiguous(), offset, Q4_BLOCK)
 
 
 def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
@@ -164,9 +191,10 @@ def _release(reader, tensor) -> None:
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def gguf_tensors(reader, config: ModelConfig, path: Path | None = None):
+def gguf_tensors(reader, config: ModelConfig, path: Path | None = None, keep_4bit: bool = False):
     """Yield (Hugging Face name, tensor) for every tensor of the file: a torch tensor (F32, F16,
-    BF16 as stored; other block types dequantized to float32) or a GroupQuantized (Q8_0)."""
+    BF16 as stored; other block types dequantized to float32), a GroupQuantized (Q8_0) or, with
+    ``keep_4bit``, an Int4Quantized (Q4_0, Q4_1 matrices)."""
     from gguf import GGMLQuantizationType, quants
 
     where = path.name if path is not None else "GGUF file"
@@ -181,6 +209,8 @@ def gguf_tensors(reader, config: ModelConfig, path: Path | None = None):
         kind = tensor.tensor_type
         if kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
             weight = _q8_0(tensor.data, shape)
+        elif keep_4bit and kind.name in FOUR_BIT and len(shape) == 2:
+            weight = _q4(tensor.data, shape, has_min=kind == GGMLQuantizationType.Q4_1)
         elif kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             array = np.asarray(tensor.data)
             if kind == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the raw 16 bits
@@ -205,12 +235,17 @@ def gguf_tensors(reader, config: ModelConfig, path: Path | None = None):
         yield name, weight
     if dequantized:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
-        warnings.warn(f"fivefold: {where}: {kinds} dequantized to float on load (4-bit kernels are not "
-                      f"there yet; Q8_0 stays int8)", stacklevel=2)
+        served = "" if keep_4bit else "; --quantization gguf serves Q4_0/Q4_1 in 4-bit"
+        warnings.warn(f"fivefold: {where}: {kinds} dequantized to float on load (Q8_0 stays int8{served}; "
+                      f"Q4_K/Q5_K/Q6_K have no kernel yet)", stacklevel=2)
 
 
 def _unpermute(weight, num_heads: int):
     if isinstance(weight, GroupQuantized):
         return GroupQuantized(_unpermute_rope(weight.q, num_heads), _unpermute_rope(weight.scale, num_heads),
                               weight.group_size)
+    if isinstance(weight, Int4Quantized):
+        offset = None if weight.offset is None else _unpermute_rope(weight.offset, num_heads).contiguous()
+        return Int4Quantized(_unpermute_rope(weight.q, num_heads).contiguous(),
+                             _unpermute_rope(weight.scale, num_heads).contiguous(), offset, weight.group_size)
     return _unpermute_rope(weight, num_heads)

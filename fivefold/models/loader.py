@@ -28,6 +28,7 @@ from fivefold.models.registry import resolve_model_path
 from fivefold.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ON_LOAD_BITS = {"w8a16": 8.0, "w4a16": 4.25}  # bits per projection weight, scales included (W4A16: groups of 128)
 QUANT_METHOD = "fivefold-int8"  # config.json's quantization_config.quant_method of save_quantized
 FORMAT_VERSION = 1
 
@@ -156,7 +157,7 @@ def warn_if_slow_dtype(dtype: torch.dtype) -> None:
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
-               before_weights: Callable[[ModelConfig, bool, bool], object] | None = None,
+               before_weights: Callable[..., object] | None = None,
                quantization: str | None = None, weight_layout: str = "dense",
                stream_copy: bool = False) -> LoadedModel:
     """Load a built-in name, Hugging Face directory or GGUF file for serving, tensor by tensor.
@@ -168,8 +169,14 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
     tensors stay int8 with their scale per block of 32; a directory written by ``fivefold quantize``
     loads in its own int8 format.
 
-    ``before_weights(config, is_int8, grouped)`` runs once the checkpoint's metadata is read and
-    before any weight is (``grouped``: int8 with a scale per block, GGUF Q8_0): the engine's memory
+    ``quantization="w4a16"``: 4-bit weights in groups of 128 with a minimum (round to nearest), the
+    tied LM head W8A16. ``quantization="gguf"``: a GGUF file's Q4_0/Q4_1 blocks served as they are
+    by the 4-bit kernel (by default they are dequantized to ``dtype``: the built-in model's float
+    weights are these blocks dequantized, and the float model is what fivefold's passes work on).
+
+    ``before_weights(config, is_int8, bits, four_bit_file)`` runs once the checkpoint's metadata is
+    read and before any weight is (``bits``: per quantized projection weight, scales included;
+    ``four_bit_file``: a GGUF whose 4-bit blocks are about to be dequantized): the engine's memory
     plan refuses a model that cannot fit there, and may return the :class:`ServedForm` to load in
     (it decides whether packed layers keep the streaming copy)."""
     from fivefold.models.assemble import ServedForm, assemble
@@ -184,17 +191,25 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
     if qconfig is not None and quantization is not None:
         raise ModelLoadError(f"{location} is already quantized ({qconfig['config'].get('scheme')}): "
                              f"load it without --quantization")
+    four_bit_file = False
     if fmt == "gguf":
-        from fivefold.models.gguf_file import gguf_is_int8, gguf_tensors
+        from fivefold.models.gguf_file import gguf_served_bits, gguf_tensors
 
-        grouped = gguf_is_int8(reader)
-        is_int8 = quantization is not None or grouped
-        weights = gguf_tensors(reader, config, location)
+        keep_4bit = quantization == "gguf"
+        stored_bits = gguf_served_bits(reader, keep_4bit)
+        four_bit_file = not keep_4bit and gguf_served_bits(reader, True) in (4.5, 5.0)
+        bits = stored_bits if stored_bits is not None else ON_LOAD_BITS.get(quantization, 8.0)
+        is_int8 = quantization is not None or stored_bits is not None
+        weights = gguf_tensors(reader, config, location, keep_4bit=keep_4bit)
     else:
-        grouped, is_int8 = False, quantization is not None or qconfig is not None
+        if quantization == "gguf":
+            raise ModelLoadError(f"--quantization gguf serves a GGUF file's blocks as they are; {location} is not a "
+                                 f"GGUF file (quantize on load: w8a16, w4a16)")
+        is_int8 = quantization is not None or qconfig is not None
+        bits = ON_LOAD_BITS.get(quantization, 8.0)
         weights = hf_tensors(location)
     if before_weights is not None:
-        decided = before_weights(config, is_int8, grouped)
+        decided = before_weights(config, is_int8, bits, four_bit_file)
         if isinstance(decided, ServedForm):
             form = decided
     if qconfig is not None:  # written by `fivefold quantize`: int8 modules, run in int8
@@ -202,10 +217,14 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
         return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, qconfig["config"])
     model = assemble(config, weights, form, source=str(location))
     quant = None
-    if form.quantization is not None:
+    if form.quantization == "w8a16":
         from fivefold.models.assemble import W8A16
 
         quant = {**dataclasses.asdict(W8A16), "skip": []}
+    elif form.quantization == "w4a16":
+        from fivefold.models.assemble import W4A16
+
+        quant = {"scheme": "w4a16", "method": "rtn", **dataclasses.asdict(W4A16)}
     return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, quant)
 
 
@@ -221,16 +240,21 @@ def quantization_config(directory: Path) -> dict | None:
 
 def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torch.dtype,
                          qconfig: dict) -> LlamaForCausalLM:
-    """Rebuild a Fivefold LLM with int8 modules from a directory written by :func:`save_quantized`:
-    built on the meta device, the modules ``qconfig["modules"]`` names swapped for
-    :class:`Int8Linear` of the saved format, every tensor assigned once."""
+    """Rebuild a Fivefold LLM with int8 and 4-bit modules from a directory written by
+    :func:`save_quantized`: built on the meta device, the modules ``qconfig["modules"]`` names
+    swapped for :class:`Int8Linear` of the saved format, or :class:`Int4Linear` for those
+    ``qconfig["int4"]`` lists with their group size, every tensor assigned once."""
+    from fivefold.models.int4_linear import Int4Format, Int4Linear
     from fivefold.models.int8_linear import Int8Format, Int8Linear
     from fivefold.models.layers import RotaryEmbedding
 
     if qconfig.get("format_version") != FORMAT_VERSION:
         raise ModelLoadError(f"{directory}: quantized format version {qconfig.get('format_version')} is not "
                              f"supported (this version reads {FORMAT_VERSION})")
-    int8_format = Int8Format.of(qconfig["config"])
+    # a 4-bit model's other quantized layers (its LM head) are W8A16 per channel
+    int8_format = (Int8Format("w8a16") if qconfig["config"].get("scheme") == "w4a16"
+                   else Int8Format.of(qconfig["config"]))
+    int4 = qconfig.get("int4", {})  # name -> {"group_size", "symmetric"}
     from fivefold.models.safetensors_file import read_header, read_tensors
 
     file = directory / "model.safetensors"
@@ -243,9 +267,13 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
         model = LlamaForCausalLM(model_config)
         for name in qconfig["modules"]:
             linear = model.get_submodule(name)
+            has_bias = f"{name}.bias" in names
+            if name in int4:
+                model.set_submodule(name, Int4Linear(linear.in_features, linear.out_features, has_bias,
+                                                     Int4Format(**int4[name])))
+                continue
             fmt = (Int8Format("w8a16", "per-group", group_size=grouped[name]) if name in grouped else int8_format)
-            model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, f"{name}.bias" in names,
-                                                 fmt))
+            model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, has_bias, fmt))
     model.rotary = RotaryEmbedding(model_config)
     tied = model_config.is_tied_embeddings and "lm_head.weight" not in names
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -258,7 +286,7 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
                 raise ModelLoadError(f"{directory}: tensor '{key}' has shape {tuple(tensor.shape)}, the config "
                                      f"expects {tuple(expected[key].shape)}")
             module_name, _, kind = key.rpartition(".")
-            # Scales, zero points, clip ranges and biases of int8 modules stay float32.
+            # Scales, zero points, clip ranges and biases of quantized modules stay as written.
             cast = tensor.to(dtype) if tensor.is_floating_point() and module_name not in int8_modules else tensor
             cast = cast.clone() if cast.data_ptr() == tensor.data_ptr() else cast  # not a view of the file
             module = model.get_submodule(module_name)
@@ -281,11 +309,13 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
 
 def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_dir: str | Path,
                    extra: dict | None = None) -> Path:
-    """Write ``loaded`` (already quantized: ``modules`` are int8 layers made with ``config``, an
-    ``Int8Config.to_dict()``) as a directory :func:`load_model` reads back in int8: config.json with
-    a ``quantization_config``, model.safetensors (int8 weights with their scales, zero points and
-    clip ranges, under the names Fivefold serves: fused ``qkv_proj`` and ``gate_up_proj``), and
-    the tokenizer."""
+    """Write ``loaded`` (already quantized: ``modules`` are int8 or 4-bit layers made with ``config``,
+    an ``Int8Config.to_dict()`` or ``Int4Config.to_dict()``) as a directory :func:`load_model`
+    reads back as it was: config.json with a ``quantization_config`` (``int4``: each 4-bit layer's
+    group size and symmetry), model.safetensors (int8 weights with their scales, zero points and
+    clip ranges; 4-bit layers as :class:`~fivefold.models.int4_linear.Int4Linear`'s checkpoint
+    form: ``qweight`` two codes per byte, float16 ``scale`` and ``offset``; under the names Fivefold
+    serves: fused ``qkv_proj`` and ``gate_up_proj``), and the tokenizer."""
 
     from fivefold.models.safetensors_file import write_tensors
 
@@ -296,13 +326,17 @@ def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_di
         entries.pop("lm_head.weight", None)  # the same tensor as the embedding; re-tied on load
     write_tensors(out / "model.safetensors", [(name, shape, dtype) for name, (shape, dtype, _) in entries.items()],
                   lambda name: entries[name][2]())
+    from fivefold.models.int4_linear import Int4Linear
     from fivefold.models.int8_linear import Int8Linear
 
     grouped = {name: m.group_size for name, m in loaded.model.named_modules()
                if isinstance(m, Int8Linear) and m.group_size is not None}
+    int4 = {name: {"group_size": m.format.group_size, "symmetric": m.format.symmetric}
+            for name, m in loaded.model.named_modules() if isinstance(m, Int4Linear)}
     hf = loaded.config.to_hf_dict()
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                  "config": config, "modules": list(modules), **({"grouped": grouped} if grouped else {}),
+                                 **({"int4": int4} if int4 else {}),
                                  **(extra or {})}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     loaded.tokenizer.hf.save_pretrained(str(out))
@@ -313,13 +347,22 @@ def state_entries(model: torch.nn.Module) -> dict[str, tuple[tuple, torch.dtype,
     """{name: (shape, dtype, make)} of every tensor ``model.state_dict()`` holds, without making them:
     a weight held only in a kernel's layout (W8A16 ``Int8Linear``, ``PackedLinear``) is unpacked
     by ``make`` when its turn comes, so a writer holds one at a time."""
+    from fivefold.models.int4_linear import Int4Linear, pack_nibbles
     from fivefold.models.int8_linear import Int8Linear
     from fivefold.models.layers import PackedLinear
 
     entries = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        if isinstance(module, Int8Linear) and module._buffers["weight"] is None:
+        if isinstance(module, Int4Linear) and module.kernel_tensors() is not None:
+            groups = -(-module.in_features // module.format.group_size)
+            entries[prefix + "qweight"] = ((module.out_features, module.in_features // 2), torch.uint8,
+                                           lambda m=module: pack_nibbles(m.codes()[0]))
+            entries[prefix + "scale"] = ((module.out_features, groups), torch.float16, lambda m=module: m.codes()[1])
+            if not module.format.symmetric:
+                entries[prefix + "offset"] = ((module.out_features, groups), torch.float16,
+                                              lambda m=module: m.codes()[2])
+        elif isinstance(module, Int8Linear) and module._buffers["weight"] is None:
             entries[prefix + "weight"] = ((module.out_features, module.in_features), torch.int8, module.int8_weight)
         elif isinstance(module, PackedLinear):
             entries[prefix + "weight"] = ((module.out_features, module.in_features), module.packed_weight.dtype,

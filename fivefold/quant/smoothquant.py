@@ -59,6 +59,39 @@ def _scales(act_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.
 
 
 @torch.inference_mode()  # the loaded weights are inference tensors
+def fold_input_scales_(model: nn.Module, layer: int, kind: str, s: torch.Tensor) -> None:
+    """Multiply the input columns of linear ``kind`` of decoder layer ``layer`` by ``s`` and divide,
+    exactly, what produces its input by ``s`` (the folds of the module docstring), so that the
+    float output is unchanged up to rounding. ``kind``: "self_attn.qkv_proj", "self_attn.o_proj"
+    (``s`` over the query heads' channels, equal within each KV group: it folds into V's rows),
+    "mlp.gate_up_proj" or "mlp.down_proj". SmoothQuant and AWQ share these folds."""
+    c = model.config
+    block = model.layers[layer]
+    attn, mlp = block.self_attn, block.mlp
+    linear = model.get_submodule(f"layers.{layer}.{kind}")
+    s = s.float()
+    if kind == "self_attn.qkv_proj":
+        block.input_layernorm.weight.div_(s.to(block.input_layernorm.weight.dtype))
+    elif kind == "mlp.gate_up_proj":
+        block.post_attention_layernorm.weight.div_(s.to(block.post_attention_layernorm.weight.dtype))
+    elif kind == "self_attn.o_proj":
+        group = c.num_heads // c.num_kv_heads
+        s_kv = s.reshape(c.num_kv_heads, group, c.head_dim)[:, 0, :].reshape(-1)
+        v_rows = slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
+        attn.qkv_proj.weight[v_rows].div_(s_kv.reshape(-1, 1).to(attn.qkv_proj.weight.dtype))
+        if attn.qkv_proj.bias is not None:
+            attn.qkv_proj.bias[v_rows].div_(s_kv.to(attn.qkv_proj.bias.dtype))
+    elif kind == "mlp.down_proj":  # its input is silu(gate) * up: scale the up half of gate_up
+        inter = mlp.down_proj.weight.shape[1]
+        mlp.gate_up_proj.weight[inter:].div_(s.reshape(-1, 1).to(mlp.gate_up_proj.weight.dtype))
+        if mlp.gate_up_proj.bias is not None:
+            mlp.gate_up_proj.bias[inter:].div_(s.to(mlp.gate_up_proj.bias.dtype))
+    else:
+        raise FivefoldError(f"no fold for the input of '{kind}'")
+    linear.weight.mul_(s.to(linear.weight.dtype))
+
+
+@torch.inference_mode()  # the loaded weights are inference tensors
 def smooth_(model: nn.Module, calibration_data, forward_fn, alpha: float = 0.5) -> int:
     """Rescale ``model`` (a Fivefold LlamaForCausalLM with plain nn.Linear layers) in place;
     the float outputs are unchanged up to rounding. Returns the number of layers smoothed."""
@@ -76,27 +109,13 @@ def smooth_(model: nn.Module, calibration_data, forward_fn, alpha: float = 0.5) 
     for i, layer in enumerate(layers):
         p = f"layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        for norm, linear, key in ((layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"),
-                                  (layer.post_attention_layernorm, mlp.gate_up_proj, "mlp.gate_up_proj")):
-            s = _scales(act[p + key], linear.weight, alpha)
-            norm.weight.div_(s.to(norm.weight.dtype))
-            linear.weight.mul_(s.to(linear.weight.dtype))
+        for linear, key in ((attn.qkv_proj, "self_attn.qkv_proj"), (mlp.gate_up_proj, "mlp.gate_up_proj"),
+                            (mlp.down_proj, "mlp.down_proj")):
+            fold_input_scales_(model, i, key, _scales(act[p + key], linear.weight, alpha))
         # o_proj's input channel (query head h, dim d) comes from V of KV head h // group.
         o_act = act[p + "self_attn.o_proj"].reshape(c.num_kv_heads, group, c.head_dim).amax(dim=1)  # [KVH, D]
         o_w = attn.o_proj.weight.reshape(-1, c.num_kv_heads, group, c.head_dim).abs().amax(dim=(0, 2))  # [KVH, D]
         s_kv = (o_act.clamp(min=1e-5).pow(alpha) / o_w.float().clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
-        v_rows = slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
-        attn.qkv_proj.weight[v_rows].div_(s_kv.reshape(-1, 1).to(attn.qkv_proj.weight.dtype))
-        if attn.qkv_proj.bias is not None:
-            attn.qkv_proj.bias[v_rows].div_(s_kv.reshape(-1).to(attn.qkv_proj.bias.dtype))
-        s_o = s_kv[:, None, :].expand(c.num_kv_heads, group, c.head_dim).reshape(-1)
-        attn.o_proj.weight.mul_(s_o.to(attn.o_proj.weight.dtype))
-        # down_proj's input is silu(gate) * up: scale the up half of gate_up.
-        s = _scales(act[p + "mlp.down_proj"], mlp.down_proj.weight, alpha)
-        inter = mlp.down_proj.weight.shape[1]
-        mlp.gate_up_proj.weight[inter:].div_(s.reshape(-1, 1).to(mlp.gate_up_proj.weight.dtype))
-        if mlp.gate_up_proj.bias is not None:
-            mlp.gate_up_proj.bias[inter:].div_(s.to(mlp.gate_up_proj.bias.dtype))
-        mlp.down_proj.weight.mul_(s.to(mlp.down_proj.weight.dtype))
+        fold_input_scales_(model, i, "self_attn.o_proj", s_kv[:, None, :].expand(c.num_kv_heads, group, c.head_dim).reshape(-1))
     _SMOOTHED[model] = alpha
     return len(names)

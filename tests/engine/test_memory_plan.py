@@ -40,8 +40,11 @@ def test_the_plan_counts_one_copy_and_the_int8_embedding_apart():
     # int8: every projection and the (tied) LM head one byte, the embedding float32
     int8 = plan_memory(LLAMA_1B, torch.float32, config, is_int8=True, available_bytes=GB)
     assert int8.weight_bytes == (n - embed) + embed + 4 * embed
-    grouped = plan_memory(LLAMA_1B, torch.float32, config, is_int8=True, grouped=True, available_bytes=GB)
+    grouped = plan_memory(LLAMA_1B, torch.float32, config, is_int8=True, bits=9, available_bytes=GB)
     assert grouped.weight_bytes == int(n * (1 + 4 / 32) + 4 * embed)
+    # 4-bit projections (Q4_0: 4.5 bits with the scales), the LM head counted at 8 bits
+    four = plan_memory(LLAMA_1B, torch.float32, config, is_int8=True, bits=4.5, available_bytes=GB)
+    assert four.weight_bytes == int((n - embed) * 4.5 / 8 + embed + 4 * embed)
     # a KV share is of what the weights, loading and the runtime leave (the engine sizes it after loading)
     share = plan_memory(LLAMA_1B, torch.float32, EngineConfig(kv_cache_memory_fraction=0.5), available_bytes=30 * GB)
     assert share.kv_cache_bytes == int((30 * GB - packed.weight_bytes - packed.load_bytes - RUNTIME_BYTES) / 2)

@@ -1,0 +1,135 @@
+"""GGUF 4-bit files served as they are (``quantization="gguf"``) and 4-bit quantization on load
+(``quantization="w4a16"``): Q4_0/Q4_1 blocks become the int4 kernel's codes and scales without
+passing through float, dequantize to exactly what gguf computes, and the model computes what the
+dequantized model computes, layer by layer and end to end; the built-in Q4_1 model included."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fivefold.errors import ModelLoadError
+from fivefold.models import load_model
+from fivefold.models.assemble import ServedForm, assemble
+from fivefold.models.forward import prefill_logits
+from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
+from fivefold.models.int4_linear import Int4Linear, Int4Quantized
+from fivefold.models.int8_linear import Int8Linear
+from fivefold.models.layers import resident_weight_bytes
+from fivefold.models.registry import BUILTIN_MODELS, DEFAULT_LLM
+from tests.conftest import save_random_hf_model
+from tests.models.test_gguf import HEADS, HIDDEN, INTER, write_tiny_gguf
+
+PROJECTIONS = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight",
+               "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight")
+IDS = [3, 17, 5, 40, 22, 9, 31, 1, 60, 12, 7, 2]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_blocks_are_kept_as_codes_that_dequantize_exactly(qtype, tmp_path):
+    import gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": qtype, "blk.0.attn_q.weight": qtype})
+    reader = open_gguf(tmp_path / "m.gguf")
+    config = gguf_config(reader, tmp_path / "m.gguf")
+    tensors = dict(gguf_tensors(reader, config, keep_4bit=True))
+    down = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, Int4Quantized) and down.group_size == 32 and down.q.dtype == torch.uint8
+    assert down.scale.dtype == torch.float16 and down.scale.shape == (HIDDEN, INTER // 32)
+    assert (down.offset is None) == (qtype == "Q4_0")
+    raw = {t.name: t for t in reader.tensors}
+    want = gguf.quants.dequantize(raw["blk.0.ffn_down.weight"].data, raw["blk.0.ffn_down.weight"].tensor_type)
+    assert np.array_equal(down.dequantize().numpy(), want.reshape(HIDDEN, INTER))
+    # q's rows, their scales and offsets move together through llama.cpp's RoPE un-permutation
+    q = tensors["model.layers.0.self_attn.q_proj.weight"].dequantize()
+    head_rows = HIDDEN // HEADS
+    repermuted = q.reshape(HEADS, 2, head_rows // 2, HIDDEN).transpose(1, 2).reshape(HIDDEN, HIDDEN)
+    want_q = gguf.quants.dequantize(raw["blk.0.attn_q.weight"].data, raw["blk.0.attn_q.weight"].tensor_type)
+    assert np.array_equal(repermuted.numpy(), want_q.reshape(HIDDEN, HIDDEN))
+    # without keep_4bit (the default) the same blocks are dequantized to float32, with a note
+    with pytest.warns(UserWarning, match="--quantization gguf serves Q4_0/Q4_1 in 4-bit"):
+        floats = dict(gguf_tensors(reader, config))
+    assert floats["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, dict.fromkeys(PROJECTIONS, qtype))
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = SimpleNamespace(model=assemble(config, gguf_tensors(reader, config, path), ServedForm()))
+    served = SimpleNamespace(model=assemble(config, gguf_tensors(reader, config, path, keep_4bit=True),
+                                            ServedForm(quantization="gguf")))
+    int4 = {n: m for n, m in served.model.named_modules() if isinstance(m, Int4Linear)}
+    assert set(int4) == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
+                         "layers.0.mlp.down_proj", "lm_head"}  # the tied head in the embedding's blocks
+    for name, module in int4.items():
+        dense = reference.model.get_submodule(name)
+        assert torch.equal(module.dequantized_weight(), dense.weight.float()), name
+        for rows in (1, 3, 8, 65):
+            x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                want = nn.functional.linear(x.double(), dense.weight.double()).float()
+                torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    with torch.inference_mode():
+        ours, ref = prefill_logits(served.model, IDS), prefill_logits(reference.model, IDS)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    # 4-bit codes and float16 scales: well under a third of the float32 model's bytes
+    assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 3
+
+
+def test_builtin_q4_1_model_served_as_it_is():
+    """SmolLM2's Q4_1 file in 4-bit: every projection holds exactly the file's weights (its float
+    model is those blocks dequantized), each layer and the logits agree with the float model within
+    float rounding, and greedy decoding picks the same tokens."""
+    path = str(BUILTIN_MODELS[DEFAULT_LLM].path())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = load_model(path)
+    served = load_model(path, quantization="gguf")
+    int4 = {n: m for n, m in served.model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4) >= 4 * served.config.num_layers
+    gen = torch.Generator().manual_seed(0)
+    for name, module in int4.items():
+        dense = reference.model.get_submodule(name)
+        weight = dense.unpacked_weight() if hasattr(dense, "unpacked_weight") else dense.weight
+        assert torch.equal(module.dequantized_weight(), weight.float()), name
+        if not (name.startswith(("layers.0.", f"layers.{served.config.num_layers - 1}.")) or name == "lm_head"):
+            continue  # each layer's output: the first and last layers' projections and the head
+        x = torch.randn(2, module.in_features, generator=gen)
+        with torch.inference_mode():
+            want = nn.functional.linear(x.double(), weight.double()).float()
+            torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    ids = served.tokenizer.encode("The quick brown fox jumps over the lazy dog. Python is")
+    with torch.inference_mode():
+        ours, ref = prefill_logits(served.model, ids), prefill_logits(reference.model, ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 2.5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied head; a tied one with q/k/v biases
+def test_w4a16_on_load_quantizes_projections_keeps_the_head_8bit(arch, tmp_path):
+    save_random_hf_model(arch, tmp_path / "hf")
+    float_model = load_model(str(tmp_path / "hf"))
+    served = load_model(str(tmp_path / "hf"), quantization="w4a16")
+    int4 = [m for m in served.model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * served.config.num_layers and all(m.format.group_size == 128 for m in int4)
+    assert isinstance(served.model.lm_head, Int8Linear)
+    assert served.quantization["scheme"] == "w4a16"
+    ids = [3, 17, 5, 40, 22, 9, 31, 1]
+    with torch.inference_mode():
+        ours, ref = prefill_logits(served.model, ids), prefill_logits(float_model.model, ids)
+    # 4 bits of random weights: close in direction, not equal
+    cos = nn.functional.cosine_similarity(ours.flatten(), ref.flatten(), dim=0)
+    assert float(cos) > 0.95
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(tmp_path / "hf"), quantization="gguf")
