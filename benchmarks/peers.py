@@ -8,8 +8,10 @@ ignored, greedy. Three workloads:
   batch16   16 prompts, 64 new tokens each: new tokens / wall time of the whole batch
   batch64   64 prompts, 128 new tokens each: the same
 
-Systems: fivefold in float32, bfloat16 (where this CPU computes bf16 natively), W8A16 and W8A8
-(dynamic per-token), all on the serving engine with its defaults, and float32 with the int8 KV
+Systems: fivefold in float32, bfloat16 (where this CPU computes bf16 natively), W8A16, W8A8
+(dynamic per-token), W4A16 (quantized on load: round to nearest, groups of 128 with a minimum, the
+LM head W8A16) and the built-in Q4_1 file served as it is (``--quantization gguf``: its 4-bit
+blocks on the int4 kernel, the tied LM head too), all on the serving engine with its defaults, and float32 with the int8 KV
 cache (fivefold-float32-kv8, shown beside the defaults, not one of them); every fivefold system and
 vLLM get the same KV cache space (KV_CACHE_GIB); transformers (float32, in
 this process; batches padded on the left); vLLM (CPU build, float32) and llama.cpp (the built-in
@@ -65,7 +67,8 @@ PROMPT_LEN = 128
 # scheduler preempted and recomputed sequences that vLLM's 4 GiB held: 243 tok/s against 301 with room.)
 KV_CACHE_GIB = 4
 WORKLOADS = {"single": (1, 64), "batch16": (16, 64), "batch64": (64, 128)}
-FIVEFOLD = ("fivefold-float32", "fivefold-float32-kv8", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8")
+FIVEFOLD = ("fivefold-float32", "fivefold-float32-kv8", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8",
+            "fivefold-w4a16", "fivefold-q4_1")
 # A system name's "-kv8" suffix: the same weights with kv_cache_dtype="int8" (a quality trade: not the
 # float32 defaults that the ratios compare, shown beside them).
 KV8_SUFFIX = "-kv8"
@@ -99,6 +102,12 @@ def load_fivefold(system: str):
     from fivefold.quant.quantize import quantize_
 
     variant = system.removeprefix("fivefold-").removesuffix(KV8_SUFFIX)
+    if variant in ("w4a16", "q4_1"):  # 4-bit: quantized on load (RTN, g128), or the GGUF's Q4_1 blocks as they are
+        from fivefold.models.layers import resident_weight_bytes
+
+        loaded = load_model(DEFAULT_LLM, quantization="w4a16" if variant == "w4a16" else "gguf")
+        embedding = loaded.model.embed_tokens.weight
+        return loaded, resident_weight_bytes(loaded.model) - embedding.numel() * embedding.element_size(), "float32"
     if variant in ("float32", "bfloat16"):
         loaded = load_model(DEFAULT_LLM, variant)
         return loaded, loaded.config.num_parameters() * loaded.model.dtype.itemsize, variant
