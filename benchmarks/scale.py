@@ -7,10 +7,18 @@ Shapes (the built-in SmolLM2 tokenizer and its 49,152-token vocabulary, tied emb
   8b   Llama-3-8B:   hidden 4096, 32 layers, MLP 14336, 32 / 8                  (7.2B)
 
 Each shape is synthesized once (seeded, tensor by tensor: no step holds the model) into
-``~/.cache/fivefold/scale/<shape>/`` in two forms: a bf16 safetensors directory (one shard per
-layer + ``model.safetensors.index.json``) and a GGUF Q8_0 file (the built-in GGUF's tokenizer and
-chat-template metadata, this shape's hyper-parameters, Q8_0 blocks: one fp16 scale per 32
-weights). Random weights are fine for speed and memory; quality is measured on the built-in model.
+``~/.cache/fivefold/scale/<shape>/`` in the forms asked for: a bf16 safetensors directory (one
+shard per layer + ``model.safetensors.index.json``), a GGUF Q8_0 file and a GGUF Q4_0 file (the
+built-in GGUF's tokenizer and chat-template metadata, this shape's hyper-parameters; projections in
+Q8_0 blocks, one fp16 scale per 32 weights, or Q4_0 blocks, the same scale over 32 4-bit codes; the
+tied embedding Q8_0 in both). Random weights are fine for speed and memory; quality is measured on
+the built-in model.
+
+Forms (FORM:DTYPE): the bf16 directory served in float32 or bfloat16, or quantized while loading
+(``w8a16``, ``w4a16``: RTN, groups of 128 with a minimum, the tied head W8A16); the Q8_0 file
+(float32 activations, Q8_0 served int8 as it is); the Q4_0 file served as it is (``gguf``: its
+blocks on the int4 kernel). llama.cpp runs each GGUF file; every fivefold form is compared with
+llama.cpp on the file of its precision (4-bit forms with Q4_0, the others with Q8_0).
 
 Each measurement runs in a fresh process (so that one run's memory cannot count for another):
 load time, the OS's peak RSS (VmHWM of /proc/self/status) after loading and at the end, the
@@ -20,7 +28,7 @@ decode tokens/s at batch 1 and 8 (128-token held-out
 prompts, 64 new tokens, EOS ignored, greedy; prefill excluded). llama.cpp (``~/peers/llamacpp``, see
 ``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed.
 
-    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:w8a16,gguf-q8_0:float32]
+    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:w8a16,gguf-q8_0:float32,gguf-q4_0:gguf]
 
 Prints a table and one JSON line.
 """
@@ -44,9 +52,12 @@ SHAPES = {  # hidden, layers, MLP, heads, KV heads
     "8b": (4096, 32, 14336, 32, 8),
 }
 VOCAB = 49152
-# FORM:DTYPE, or FORM:w8a16 (float32 activations, int8 weights quantized while loading). The GGUF's
-# Q8_0 tensors are served int8 with their block scales whatever the dtype (float32 activations).
-FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32")
+# FORM:DTYPE, or FORM:w8a16 / FORM:w4a16 (float32 activations, int8 or 4-bit weights quantized while
+# loading), or FORM:gguf (a GGUF's 4-bit blocks served as they are). The GGUF's Q8_0 tensors are
+# served int8 with their block scales whatever the dtype (float32 activations).
+FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32", "bf16-dir:w4a16",
+         "gguf-q4_0:gguf")
+GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0"}
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
 KV_CACHE_BYTES = 512 << 20
 Q8_BLOCK = 32
@@ -135,21 +146,23 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def q8_0_bytes(w) -> "numpy.ndarray":
-    """Q8_0 blocks of a float32 [rows, cols] tensor: per 32 weights an fp16 scale absmax / 127 and
-    32 int8 values, 34 bytes; [rows, cols / 32 * 34] uint8 as ggml stores them."""
-    import torch
-
-    rows, cols = w.shape
-    blocks = w.reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-127, 127).to(torch.int8)
-    packed = torch.cat([scale.half().view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [rows, n, 34]
-    return packed.reshape(rows, -1).numpy()
+BLOCK_BYTES = {"Q8_0": Q8_BLOCK + 2, "Q4_0": Q8_BLOCK // 2 + 2}  # per 32 weights
 
 
-def write_gguf_q8_0(shape: str, out: Path) -> None:
-    """A llama GGUF with the built-in file's tokenizer metadata, streamed tensor by tensor."""
+def block_bytes(w, qtype: str) -> "numpy.ndarray":
+    """llama.cpp's blocks of a float32 [rows, cols] tensor ([rows, cols / 32 * bytes] uint8),
+    quantized with llama.cpp's rules (fivefold.models.gguf_export)."""
+    from fivefold.models.gguf_export import q4_bytes, q8_0_bytes
+    from fivefold.models.int4_linear import Int4Format, quantize_int4
+
+    if qtype == "Q8_0":
+        return q8_0_bytes(w)
+    return q4_bytes(quantize_int4(w, Int4Format(group_size=Q8_BLOCK, symmetric=True)))
+
+
+def write_gguf(shape: str, out: Path, qtype: str = "Q8_0") -> None:
+    """A llama GGUF with the built-in file's tokenizer metadata, streamed tensor by tensor: the
+    projections in ``qtype`` (Q8_0 or Q4_0), the tied embedding in Q8_0, norms in F32."""
     import gguf
     import numpy as np
 
@@ -170,7 +183,7 @@ def write_gguf_q8_0(shape: str, out: Path) -> None:
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0)
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):
             value = field.contents()
@@ -181,34 +194,40 @@ def write_gguf_q8_0(shape: str, out: Path) -> None:
             else:
                 writer.add_key_value(key, value, types[0])
     specs = [(n, s) for _, tensors in model_tensors(shape) for n, s in tensors.items()]
+    def kind(name):
+        return "Q8_0" if name == "model.embed_tokens.weight" else qtype
+
     for name, s in specs:
         if len(s) == 1:
             writer.add_tensor_info(gguf_name(name), s, np.dtype(np.float32), s[0] * 4)
         else:
-            nbytes = s[0] * s[1] // Q8_BLOCK * (Q8_BLOCK + 2)
-            writer.add_tensor_info(gguf_name(name), (s[0], s[1] // Q8_BLOCK * (Q8_BLOCK + 2)), np.dtype(np.uint8),
-                                   nbytes, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            row = s[1] // Q8_BLOCK * BLOCK_BYTES[kind(name)]
+            writer.add_tensor_info(gguf_name(name), (s[0], row), np.dtype(np.uint8), s[0] * row,
+                                   raw_dtype=gguf.GGMLQuantizationType[kind(name)])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, s in specs:
         w = random_tensor(name, s)
-        writer.write_tensor_data(w.numpy() if len(s) == 1 else q8_0_bytes(w))
+        writer.write_tensor_data(w.numpy() if len(s) == 1 else block_bytes(w, kind(name)))
     writer.close()
     tmp.rename(out)
 
 
-def synthesize(shape: str, console) -> dict[str, Path]:
+def synthesize(shape: str, console, sources: set[str] = frozenset(("bf16-dir", "gguf-q8_0"))) -> dict[str, Path]:
+    """The files of ``shape`` that ``sources`` name, written once into the cache."""
     root = cache_dir() / shape
-    hf, q8 = root / "bf16", root / f"scale-{shape}-q8_0.gguf"
-    if not (hf / "config.json").exists():
-        console.print(f"synthesizing {shape}: bf16 safetensors -> {hf}")
-        write_hf_directory(shape, hf)
-    if not q8.exists():
-        console.print(f"synthesizing {shape}: GGUF Q8_0 -> {q8}")
-        root.mkdir(parents=True, exist_ok=True)
-        write_gguf_q8_0(shape, q8)
-    return {"bf16-dir": hf, "gguf-q8_0": q8}
+    files = {"bf16-dir": root / "bf16", **{src: root / f"scale-{shape}-{src.removeprefix('gguf-')}.gguf"
+                                          for src in GGUF_TYPES}}
+    if "bf16-dir" in sources and not (files["bf16-dir"] / "config.json").exists():
+        console.print(f"synthesizing {shape}: bf16 safetensors -> {files['bf16-dir']}")
+        write_hf_directory(shape, files["bf16-dir"])
+    for src, qtype in GGUF_TYPES.items():
+        if src in sources and not files[src].exists():
+            console.print(f"synthesizing {shape}: GGUF {qtype} -> {files[src]}")
+            root.mkdir(parents=True, exist_ok=True)
+            write_gguf(shape, files[src], qtype)
+    return {src: path for src, path in files.items() if src in sources}
 
 
 # --- measurement, each in its own process ----------------------------------------------------------
@@ -221,8 +240,8 @@ def peak_rss():
             return int(line.split()[1]) * 1024
 path, dtype, prompt_len, new_tokens, batches, kv_bytes = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), json.loads(sys.argv[5]), int(sys.argv[6])
 quantization = None
-if dtype == "w8a16":
-    dtype, quantization = "float32", "w8a16"
+if dtype in ("w8a16", "w4a16", "gguf"):
+    dtype, quantization = "float32", dtype
 from fivefold.llm import LLM
 from fivefold.sampling_params import SamplingParams
 from fivefold.eval.language import decode_rate
@@ -317,8 +336,10 @@ def main() -> int:
             ap.error(f"unknown form '{f}'; choose from {', '.join(FORMS)}")
     console = Console(width=150)
     results = []
+    sources = {f.split(":")[0] for f in forms}
+    sources.add("gguf-q8_0")  # llama.cpp's reference file
     for shape in shapes:
-        files = synthesize(shape, console)
+        files = synthesize(shape, console, sources)
         for form in forms:
             source, dtype = form.split(":")
             console.print(f"  fivefold {shape} {form} ...")
@@ -327,11 +348,13 @@ def main() -> int:
                             if files[source].is_dir() else files[source].stat().st_size,
                             **measure_fivefold(files[source], dtype)})
         if LLAMACPP_PYTHON.exists() and not args.no_llamacpp:
-            console.print(f"  llama.cpp {shape} gguf-q8_0 ...")
-            results.append({"shape": shape, "system": "llama.cpp", "form": "gguf-q8_0",
-                            "file_bytes": files["gguf-q8_0"].stat().st_size, **measure_llamacpp(files["gguf-q8_0"])})
+            for src in sorted(s for s in files if s in GGUF_TYPES):
+                console.print(f"  llama.cpp {shape} {src} ...")
+                results.append({"shape": shape, "system": "llama.cpp", "form": src,
+                                "file_bytes": files[src].stat().st_size, **measure_llamacpp(files[src])})
     rows = []
-    llamacpp_b1 = {r["shape"]: r["decode_tok_s_batch1"] for r in results
+    # each fivefold form against llama.cpp on the file of its precision: 4-bit forms against Q4_0
+    llamacpp_b1 = {(r["shape"], r["form"]): r["decode_tok_s_batch1"] for r in results
                    if r["system"] == "llama.cpp" and "decode_tok_s_batch1" in r}
     for r in results:
         if "error" in r:
@@ -341,7 +364,11 @@ def main() -> int:
         if "weight_bytes" in r:  # the target: peak RSS <= 1.15 x resident weights + KV pool + 1 GiB
             r["rss_bound"] = 1.15 * r["weight_bytes"] + r["kv_cache_bytes"] + (1 << 30)
             bound = f"{gb(r['rss_bound'])} {'ok' if r['peak_rss'] <= r['rss_bound'] else 'over'}"
-        ref = llamacpp_b1.get(r["shape"])
+            if r["form"].startswith("gguf"):  # issue 37's bound for a GGUF: 1.15 x its file + KV pool + 1 GiB
+                r["file_rss_bound"] = 1.15 * r["file_bytes"] + r["kv_cache_bytes"] + (1 << 30)
+                bound += f" (file: {'ok' if r['peak_rss'] <= r['file_rss_bound'] else 'over'})"
+        four_bit = "q4" in r["form"] or "w4a16" in r["form"]
+        ref = llamacpp_b1.get((r["shape"], "gguf-q4_0" if four_bit else "gguf-q8_0"))
         b8 = r.get("decode_tok_s_batch8")
         rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), f"{r['load_s']:.1f}",
                      gb(r["peak_rss_load"]), gb(r["peak_rss"]), gb(r.get("weight_bytes")), bound,

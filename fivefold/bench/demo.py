@@ -27,6 +27,7 @@ from fivefold.bench.offline_bench import (
 from fivefold.bench.registry import RunRegistry, machine_description
 from fivefold.models.fingerprint import model_fingerprint
 from fivefold.quant.config import Int8Config
+from fivefold.quant.int4 import Int4Config
 
 
 @dataclass(frozen=True)
@@ -370,6 +371,10 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
     rows.append(runner.row("3 quantization", f"{w8a16.label}: float32 -> int8 weights (batch 1)", "decode tok/s",
                            ("decode_tok_s",), float_b1, {**float_b1, "quantization": w8a16.to_dict()}, True,
                            "W8A16"))
+    w4 = Int4Config(method="awq", group_size=64)
+    rows.append(runner.row("3 quantization", f"{w4.label} vs {w8a16.label} (batch 1)", "decode tok/s",
+                           ("decode_tok_s",), {**float_b1, "quantization": w8a16.to_dict()},
+                           {**float_b1, "quantization": w4.to_dict()}, True, "W4A16"))
     w8a8 = Int8Config("w8a8", activation_granularity="per-tensor", smoothquant_alpha=0.7)
     rows.append(runner.row("3 quantization", f"{w8a8.label} (batch {sizes.batching_requests})", "decode tok/s",
                            ("decode_tok_s",), float_bn, {**float_bn, "quantization": w8a8.to_dict()}, True, "W8A8"))

@@ -56,6 +56,10 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
 
         ServedForm(quantization=quantization["on_load"])  # validated
         quantization = {"on_load": quantization["on_load"]}
+    elif quantization is not None and quantization.get("scheme") == "w4a16":
+        from fivefold.quant.int4 import Int4Config
+
+        quantization = Int4Config.from_dict(quantization).to_dict()
     elif quantization is not None:
         quantization = Int8Config.from_dict(quantization).to_dict()  # validated, every field spelled out
     return {"model": model, "dtype": dtype, "workload": workload, "num_requests": num_requests,
@@ -92,8 +96,10 @@ def prepared_model(config: dict, loaded=None):
             loaded.quantization = wanted
     if wanted is not None and loaded.quantization is None:
         from fivefold.jobs.quantize import quantize_loaded
+        from fivefold.quant.int4 import Int4Config
 
-        quantize_loaded(loaded, Int8Config.from_dict(wanted), show_progress=False)
+        config_cls = Int4Config if wanted.get("scheme") == "w4a16" else Int8Config
+        quantize_loaded(loaded, config_cls.from_dict(wanted), show_progress=False)
     return loaded
 
 

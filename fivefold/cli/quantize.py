@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     qz.add_argument("--num-calibration", type=int, default=16, help="calibration windows of --window tokens")
     qz.add_argument("--num-eval", type=int, default=8, help="held-out windows for perplexity")
     qz.add_argument("--window", type=int, default=256)
+    qz.add_argument("--no-baseline", action="store_true",
+                    help="skip the float model's measurements (an 8B's float baseline takes longer than quantizing it)")
     qz.add_argument("--out", required=True, help="output model directory")
 
 
@@ -68,6 +70,6 @@ def run(args) -> int:
                             smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
     job = QuantizeJob(args.model, config, args.out, args.mixed_precision,
                       _fraction(args.max_ppl_increase, "--max-ppl-increase"), args.max_accuracy_drop,
-                      args.num_calibration, args.num_eval, args.window)
+                      args.num_calibration, args.num_eval, args.window, baseline=not args.no_baseline)
     run_quantize(job)
     return 0

@@ -64,7 +64,13 @@ def decode_speed(loaded, batch: int, num_tokens: int, repeats: int = 2) -> float
     from fivefold.eval.text import corpus_ids, corpus_prompts
     from fivefold.sampling_params import SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig.from_options(max_num_seqs=batch, kv_cache_memory_bytes=float(512 << 20)))
+    c = loaded.config
+    # room for every sequence at once (16-token blocks, float32 K and V): a pool that holds fewer
+    # preempts and recomputes, and measures the scheduler's thrashing instead of decoding (an 8B's
+    # 262 KB per token fills 512 MiB with 2,048 tokens, a third of batch 32's)
+    kv_bytes = batch * (-(-(64 + num_tokens) // 16) + 1) * 16 * 2 * c.num_layers * c.kv_size * 4
+    engine = LLMEngine(loaded, EngineConfig.from_options(max_num_seqs=batch,
+                                                         kv_cache_memory_bytes=float(max(512 << 20, kv_bytes))))
     prompts = corpus_prompts(corpus_ids(loaded.tokenizer, "heldout"), batch, 64, seed=0)
     params = [SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)] * batch
     return max(decode_rate(engine.run_to_completion(prompts, params)) for _ in range(repeats))

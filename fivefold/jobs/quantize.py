@@ -36,12 +36,18 @@ def calibration_windows(tokenizer, config: Int8Config, num_windows: int = NUM_CA
     return text_windows(tokenizer, "calibration", num_windows, window) if config.uses_calibration else None
 
 
-def quantize_loaded(loaded, config: Int8Config, num_windows: int = NUM_CALIBRATION, window: int = CALIBRATION_WINDOW,
-                    show_progress: bool = True) -> QuantizationResult:
+def quantize_loaded(loaded, config: Int8Config | Int4Config, num_windows: int = NUM_CALIBRATION,
+                    window: int = CALIBRATION_WINDOW, show_progress: bool = True):
     """The recipe: quantize ``loaded``'s model in place with ``config`` (calibrated on ``num_windows``
     windows of ``window`` tokens of the calibration text when the config needs data), recording
-    the config on ``loaded.quantization``."""
+    the config on ``loaded.quantization``. An :class:`Int4Config` runs :func:`quantize_int4_`."""
     data = calibration_windows(loaded.tokenizer, config, num_windows, window)
+    if isinstance(config, Int4Config):
+        from fivefold.quant.int4 import quantize_int4_
+
+        result = quantize_int4_(loaded.model, config, data, llm_forward, show_progress=show_progress)
+        loaded.quantization = config.to_dict()
+        return result
     result = quantize_(loaded.model, config, data, llm_forward, show_progress=show_progress)
     loaded.quantization = config.to_dict()
     return result
@@ -60,6 +66,7 @@ class QuantizeJob:
     window: int = CALIBRATION_WINDOW
     speed_batches: tuple[int, ...] = (1, 32)
     speed_tokens: int = 48
+    baseline: bool = True  # measure the float model too (False: the quantized one only)
 
 
 def evaluate(loaded, eval_windows, job: QuantizeJob) -> dict[str, Any]:
@@ -193,7 +200,7 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     # The float baseline is served whole: in float32 where that fits, else in bfloat16, else skipped
     # (the quantization itself streams, see build_quantized).
     baseline, baseline_dtype = None, None
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if job.baseline else ():
         try:
             check_fits(job.model, model_config, dtype, EngineConfig())
         except FivefoldError:
@@ -203,12 +210,14 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
         baseline = evaluate(load_model(job.model, dtype, weight_layout="packed"), eval_windows, job)  # one copy
         break
     if baseline is None:
-        console.print("float baseline skipped: the float model does not fit in memory (the int8 one is measured)")
+        console.print("float baseline skipped: " + ("the float model does not fit in memory" if job.baseline else
+                                                    "--no-baseline") + " (the quantized one is measured)")
     start = time.perf_counter()
     loaded, modules, kept, scan = build_quantized(job, console)
     quantize_s = time.perf_counter() - start
     config = job.config
     save_quantized(loaded, config.to_dict(), modules, out, extra={"kept_float": kept})
+    del loaded  # written: the reloaded model is the one measured (an 8B held twice would double the peak)
     reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
     quantized = evaluate(reloaded, eval_windows, job)
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
