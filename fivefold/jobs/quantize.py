@@ -114,6 +114,22 @@ def build_quantized(job: QuantizeJob, console=None):
         from fivefold.quant.smoothquant import smooth_
 
         smooth_(float_model, data, llm_forward, config.smoothquant_alpha)
+    scan_metric, decide, acceptable = _budget(job, tok, float_model)
+    ranges = (calibrate(float_model, target_linears(float_model, config.skip), config, data, llm_forward)
+              if data else None)
+    base, scan = quantization_sensitivity_scan(float_model, config, scan_metric, ranges=ranges)
+    save_quantization_scan(Path(job.out) / "sensitivity.json", config, base, scan)
+    model, kept, _ = mixed_precision(lambda: load_model(job.model).model, config, scan, acceptable, decide,
+                                     data, llm_forward, ranges=ranges)
+    loaded.model = model
+    loaded.quantization = config.to_dict()
+    return loaded, int8_module_names(model), kept, scan
+
+
+def _budget(job: QuantizeJob, tok, float_model):
+    """(metric of the sensitivity scan, metric of the decision, acceptable(value)) of a mixed
+    precision search: layers ranked on a small held-out sample (one evaluation per layer), the
+    decision on a larger one (a few evaluations), the report on yet other windows."""
     scan_windows = text_windows(tok, "heldout", 2, 128, seed=1)
     decide_windows = text_windows(tok, "heldout", job.num_eval, job.window, seed=2)
     use_accuracy = job.max_accuracy_drop is not None
@@ -123,22 +139,12 @@ def build_quantized(job: QuantizeJob, console=None):
             return lambda m: 100.0 - next_token_accuracy(m, windows)  # error rate, lower is better
         return lambda m: perplexity(m, windows)
 
-    ranges = (calibrate(float_model, target_linears(float_model, config.skip), config, data, llm_forward)
-              if data else None)
-    base, scan = quantization_sensitivity_scan(float_model, config, metric_on(scan_windows), ranges=ranges)
-    save_quantization_scan(Path(job.out) / "sensitivity.json", config, base, scan)
     decide = metric_on(decide_windows)
     decide_base = decide(float_model)
     if use_accuracy:
-        acceptable = lambda v: v <= decide_base + job.max_accuracy_drop  # noqa: E731
-    else:
-        budget = job.max_ppl_increase if job.max_ppl_increase is not None else 0.005
-        acceptable = lambda v: v <= decide_base * (1 + budget)  # noqa: E731
-    model, kept, _ = mixed_precision(lambda: load_model(job.model).model, config, scan, acceptable, decide,
-                                     data, llm_forward, ranges=ranges)
-    loaded.model = model
-    loaded.quantization = config.to_dict()
-    return loaded, int8_module_names(model), kept, scan
+        return metric_on(scan_windows), decide, lambda v: v <= decide_base + job.max_accuracy_drop
+    budget = job.max_ppl_increase if job.max_ppl_increase is not None else 0.005
+    return metric_on(scan_windows), decide, lambda v: v <= decide_base * (1 + budget)
 
 
 def build_int4(job: QuantizeJob, console=None):
@@ -149,15 +155,24 @@ def build_int4(job: QuantizeJob, console=None):
 
     from fivefold.engine.config import EngineConfig
     from fivefold.engine.memory_plan import check_fits
-    from fivefold.errors import FivefoldError
     from fivefold.models import load_model
     from fivefold.models.assemble import W4A16
     from fivefold.quant.int4 import quantize_int4_
 
     config = job.config
-    if job.mixed_precision:
-        raise FivefoldError("--mixed-precision chooses among int8 layers and float; with --scheme w4a16 it is "
-                            "not available yet")
+    if job.mixed_precision:  # bit widths per layer: 4, 8 (the most sensitive), float if 8 is not enough
+        from fivefold.quant.quantization_sensitivity import int4_sensitivity_scan, mixed_bits, save_quantization_scan
+
+        loaded = load_model(job.model)
+        data = (text_windows(loaded.tokenizer, "calibration", job.num_calibration, job.window)
+                if config.uses_calibration else None)
+        scan_metric, decide, acceptable = _budget(job, loaded.tokenizer, loaded.model)
+        base, scan = int4_sensitivity_scan(loaded.model, config, scan_metric, show_progress=console is not None)
+        save_quantization_scan(Path(job.out) / "sensitivity.json", config, base, scan)
+        loaded.model, eight, _ = mixed_bits(lambda: load_model(job.model).model, config, scan, acceptable, decide,
+                                            data, llm_forward, show_progress=console is not None)
+        loaded.quantization = config.to_dict()
+        return loaded, int8_module_names(loaded.model), eight, scan
     if config.method == "rtn" and (config.group_size, config.symmetric) == (W4A16.group_size, W4A16.symmetric) \
             and not config.skip and config.head_bits == 8:
         loaded = load_model(job.model, before_weights=lambda c, is_int8, bits, *_: check_fits(
@@ -216,13 +231,19 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     loaded, modules, kept, scan = build_quantized(job, console)
     quantize_s = time.perf_counter() - start
     config = job.config
-    save_quantized(loaded, config.to_dict(), modules, out, extra={"kept_float": kept})
+    from fivefold.quant.int4 import bits_per_weight
+
+    bits = bits_per_weight(loaded.model)
+    # with 4-bit weights, mixed precision keeps the most sensitive layers at 8 bits (not float)
+    kept_key = "kept_8bit" if isinstance(config, Int4Config) else "kept_float"
+    save_quantized(loaded, config.to_dict(), modules, out, extra={kept_key: kept})
     del loaded  # written: the reloaded model is the one measured (an 8B held twice would double the peak)
     reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
     quantized = evaluate(reloaded, eval_windows, job)
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
               "num_int8_modules": len(modules), "kernels": kernels_used(reloaded.model),
-              "platform": current_platform().describe(), "kept_float": kept, "quantize_s": quantize_s,
+              "platform": current_platform().describe(), kept_key: kept, "bits_per_weight": bits,
+              "quantize_s": quantize_s,
               "float": baseline, "float_dtype": baseline_dtype, "int8": quantized}
     if baseline is not None:
         report["perplexity_increase"] = quantized["perplexity"] / baseline["perplexity"] - 1
@@ -245,12 +266,15 @@ def render(report: dict, scan, console) -> None:
         for s in scan[:15]:
             t.add_row(s.name, f"{s.metric:.4f}", f"{s.increase:+.2%}")
         console.print(t)
-        if report["kept_float"]:
-            console.print(f"mixed precision keeps {len(report['kept_float'])} layers in float: "
-                          f"{', '.join(report['kept_float'][:12])}{' ...' if len(report['kept_float']) > 12 else ''}")
+        kept_key, where = ("kept_8bit", "at 8 bits") if "kept_8bit" in report else ("kept_float", "in float")
+        kept = report[kept_key]
+        if kept:
+            console.print(f"mixed precision keeps {len(kept)} layers {where}: "
+                          f"{', '.join(kept[:12])}{' ...' if len(kept) > 12 else ''}")
+    console.print(f"{report['bits_per_weight']:.2f} bits per weight over the decoder's projections")
     float_dtype = report.get("float_dtype") or "float"
-    t = Table(title=f"{report['model']}: {float_dtype} vs {report['label']} ({report['num_int8_modules']} int8 layers)")
-    for col in ("metric", float_dtype, "int8", "change"):
+    t = Table(title=f"{report['model']}: {float_dtype} vs {report['label']} ({report['num_int8_modules']} quantized layers)")
+    for col in ("metric", float_dtype, "quantized", "change"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     q = report["int8"]
     if report["float"] is None:  # the float model did not fit: int8 figures only

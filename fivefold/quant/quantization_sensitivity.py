@@ -70,13 +70,16 @@ def save_quantization_scan(path: str | Path, config: Int8Config, base: float, sc
 
 def mixed_precision(model_factory: Callable[[], nn.Module], config: Int8Config, scan: list[LayerSensitivity],
                     is_acceptable: Callable[[float], bool], metric_fn: Callable[[nn.Module], float],
-                    calibration_data=None, forward_fn=None, show_progress: bool = True, ranges=None
+                    calibration_data=None, forward_fn=None, show_progress: bool = True, ranges=None,
+                    quantize_fn: Callable[[nn.Module, set[str]], None] | None = None
                     ) -> tuple[nn.Module, list[str], float]:
     """Quantize all but the k most sensitive layers, the smallest k whose metric is acceptable
     (e.g. ``lambda ppl: ppl <= float_ppl * 1.005``).
 
     ``model_factory()`` gives a fresh float model for each try. Returns (model, layers kept
-    float, metric); keeping every layer float is the last resort.
+    float, metric); keeping every layer float is the last resort. ``quantize_fn(model, names)``
+    replaces the default (``config`` on the layers ``names``, the others float): mixed bit widths
+    pass one that quantizes ``names`` to 4 bits and the kept layers to 8 (:func:`mixed_bits`).
     """
     order = [s.name for s in scan]
     values: dict[int, float] = {}
@@ -87,8 +90,11 @@ def mixed_precision(model_factory: Callable[[], nn.Module], config: Int8Config, 
         if k not in values:
             model = model_factory()
             quantized = set(order[k:])
-            quantize_(model, config, calibration_data, forward_fn, filter_fn=lambda _m, name: name in quantized,
-                      show_progress=show_progress, ranges=ranges)
+            if quantize_fn is not None:
+                quantize_fn(model, quantized)
+            else:
+                quantize_(model, config, calibration_data, forward_fn, filter_fn=lambda _m, name: name in quantized,
+                          show_progress=show_progress, ranges=ranges)
             values[k] = metric_fn(model)
             if is_acceptable(values[k]) and (best is None or k < best[0]):
                 best = (k, model)
@@ -112,3 +118,53 @@ def mixed_precision(model_factory: Callable[[], nn.Module], config: Int8Config, 
         else:
             lo = mid
     return best[1], order[:hi], values[hi]
+
+
+def int4_sensitivity_scan(model: nn.Module, config, metric_fn: Callable[[nn.Module], float],
+                          show_progress: bool = True) -> tuple[float, list[LayerSensitivity]]:
+    """Like :func:`quantization_sensitivity_scan` at 4 bits: each target layer alone rounded to
+    nearest in ``config``'s groups (the ranking; the chosen method runs on the final model)."""
+    from rich.progress import Progress
+
+    from fivefold.models.int4_linear import Int4Format, Int4Linear
+    from fivefold.quant.int4 import _targets
+
+    fmt = Int4Format(config.group_size, config.symmetric)
+    targets, _ = _targets(model, config)
+    base = metric_fn(model)
+    out = []
+    with Progress(transient=True, disable=not show_progress) as bar:
+        task = bar.add_task("4-bit sensitivity scan", total=len(targets))
+        for name, module in targets:
+            original = replace_module(model, name, Int4Linear.from_float(module, fmt))
+            value = metric_fn(model)
+            replace_module(model, name, original)
+            out.append(LayerSensitivity(name, value, value / base - 1))
+            bar.advance(task)
+    return base, sorted(out, key=lambda s: -s.increase)
+
+
+def mixed_bits(model_factory: Callable[[], nn.Module], config, scan: list[LayerSensitivity],
+               is_acceptable: Callable[[float], bool], metric_fn: Callable[[nn.Module], float],
+               calibration_data=None, forward_fn=None, show_progress: bool = True
+               ) -> tuple[nn.Module, list[str], float]:
+    """Mixed bit widths: every layer 4-bit (``config``: RTN, GPTQ or AWQ) but the k most sensitive,
+    which are W8A16 (per channel), the smallest k whose metric is acceptable (the search of
+    :func:`mixed_precision`). Returns (model, layers at 8 bits, metric); if even every layer at 8
+    bits misses the budget, the float model (as :func:`mixed_precision` does)."""
+    from dataclasses import replace
+
+    from fivefold.quant.int4 import quantize_int4_
+
+    w8a16 = Int8Config(scheme="w8a16")
+
+    def quantize_fn(model: nn.Module, four_bit: set[str]) -> None:
+        names = [s.name for s in scan]
+        eight = tuple(n for n in names if n not in four_bit)
+        quantize_int4_(model, replace(config, skip=tuple(config.skip) + eight), calibration_data, forward_fn,
+                       show_progress=show_progress)
+        quantize_(model, w8a16, None, forward_fn, filter_fn=lambda _m, name: name in eight,
+                  show_progress=show_progress)
+
+    return mixed_precision(model_factory, w8a16, scan, is_acceptable, metric_fn, calibration_data, forward_fn,
+                           show_progress, quantize_fn=quantize_fn)

@@ -89,7 +89,7 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     assert all(r["accuracy"].startswith("none: max |diff|") and float(r["accuracy"].split()[-1]) < 1e-5 for r in cnn)
     assert any("hot path" in r["change"] for r in engine_rows)
     quant = [r for r in measured if r["lever"] == "3 quantization"]
-    assert len(quant) == 2 and all(r["accuracy"].startswith("held-out ppl ") for r in quant)
+    assert len(quant) == 3 and all(r["accuracy"].startswith("held-out ppl ") for r in quant)
     assert {r["status"] for r in summary["rows"]} == {"measured"}  # every lever has landed
     assert len(structure) == 2 and all(r["accuracy"].startswith("test accuracy ") for r in structure)
     assert set(summary["verdicts"]) == {"decode", "prefill"} and all(summary["verdicts"].values())
@@ -97,8 +97,10 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
     for r in engine_rows:
         assert registry.compare(*r["runs"]).num_changed_variables == 1
     for r in quant:  # the int8 run really ran int8 layers, and recorded its configuration
-        assert registry.get(r["runs"][1]).config["quantization"]["scheme"] in ("w8a16", "w8a8")
+        assert registry.get(r["runs"][1]).config["quantization"]["scheme"] in ("w8a16", "w8a8", "w4a16")
         assert registry.compare(*r["runs"]).config_diff.keys() == {"quantization"}
+    w4 = [r for r in quant if registry.get(r["runs"][1]).config["quantization"]["scheme"] == "w4a16"]
+    assert len(w4) == 1 and registry.get(w4[0]["runs"][0]).config["quantization"]["scheme"] == "w8a16"
     caching = next(r for r in measured if r["change"].startswith("prefix cache"))
     no_cache, cache = (registry.get(i).metrics for i in caching["runs"])
     assert cache["num_computed_prompt_tokens"] < no_cache["num_computed_prompt_tokens"] == no_cache["num_prompt_tokens"]

@@ -152,3 +152,32 @@ def test_4bit_directory_writes_and_reloads_exactly(symmetric, tmp_path):
     assert all(m.kernel_tensors() is not None for m in again.model.modules() if isinstance(m, Int4Linear))
     ids = [3, 17, 5, 40, 22, 9, 31, 1]
     torch.testing.assert_close(prefill_logits(again.model, ids), prefill_logits(loaded.model, ids), rtol=0, atol=0)
+
+
+def test_mixed_bits_promotes_the_most_sensitive_layers_to_8_bits(tmp_path):
+    """The 4-bit sensitivity scan ranks layers; mixed_bits keeps the fewest most-sensitive layers at
+    8 bits that meet the budget: none for a loose one, some for a tight one, and every layer's
+    width is 4 or 8 as chosen (bits per weight in between)."""
+    from fivefold.quant.quantization_sensitivity import int4_sensitivity_scan, mixed_bits
+
+    save_random_hf_model("llama", tmp_path)
+    factory = lambda: load_model(str(tmp_path)).model  # noqa: E731
+    ids = [(5 * j) % 90 + 3 for j in range(48)]
+    reference = prefill_logits(factory(), ids)
+    # the distance to the float model's logits (a random model's perplexity can improve by chance)
+    metric = lambda m: 1.0 + float((prefill_logits(m, ids) - reference).pow(2).mean())  # noqa: E731
+    config = Int4Config(method="rtn", group_size=32)
+    float_model = factory()
+    base, scan = int4_sensitivity_scan(float_model, config, metric, show_progress=False)
+    assert len(scan) == 4 * 3 and [s.increase for s in scan] == sorted((s.increase for s in scan), reverse=True)
+    assert all(isinstance(m, torch.nn.Linear) for n, m in float_model.named_modules() if n.endswith("_proj"))
+    loose, eight, _ = mixed_bits(factory, config, scan, lambda v: True, metric, show_progress=False)
+    assert eight == [] and bits_per_weight(loose) == pytest.approx(5.0)
+    all_4bit = metric(loose)
+    # a budget between the all-4-bit model and the float one: some layers go to 8 bits, the most sensitive first
+    target = base + 0.5 * (all_4bit - base)
+    mixed, eight, value = mixed_bits(factory, config, scan, lambda v: v <= target, metric, show_progress=False)
+    assert value <= target and 0 < len(eight) and eight == [s.name for s in scan[:len(eight)]]
+    widths = {n: type(m).__name__ for n, m in mixed.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
+    assert all(widths[n] == "Int8Linear" for n in eight) and sum(w == "Int4Linear" for w in widths.values()) == 12 - len(eight)
+    assert 5.0 < bits_per_weight(mixed) <= 8.0 + 1e-6
