@@ -91,11 +91,15 @@ def git_commit() -> str | None:
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """Changed keys, descending into sub-configs present on both sides: a sub-config
-    switched on (None -> {...}) is one variable, not one per field."""
+    switched on (None -> {...}) is one variable, not one per field, and so is one replaced by a
+    sub-config of another kind (its ``scheme`` differs: W8A16 -> W4A16 is one choice, whose
+    fields are not comparable one by one)."""
     out: dict[str, tuple[Any, Any]] = {}
     for k in sorted(set(a) | set(b)):
         va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
+        if isinstance(va, dict) and isinstance(vb, dict) and va.get("scheme") != vb.get("scheme"):
+            out[f"{prefix}{k}"] = (va, vb)
+        elif isinstance(va, dict) and isinstance(vb, dict):
             out.update(config_diff(va, vb, f"{prefix}{k}."))
         elif va != vb:
             out[f"{prefix}{k}"] = (va, vb)

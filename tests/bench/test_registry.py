@@ -72,3 +72,15 @@ def test_runs_cli(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["config"] == {"rate": 4.0, "dataset": "random"}
     missing = cli("show", "42")
     assert missing.returncode == 1 and missing.stderr.strip().startswith("error: no run 42")
+
+
+def test_a_sub_config_of_another_kind_is_one_variable():
+    """W8A16 -> W4A16 replaces the quantization sub-config (its scheme differs): one variable; a
+    field changed within one scheme is still counted field by field."""
+    from fivefold.bench.registry import config_diff
+
+    w8 = {"quantization": {"scheme": "w8a16", "weight_granularity": "per-channel"}, "dtype": "float32"}
+    w4 = {"quantization": {"scheme": "w4a16", "group_size": 64, "method": "awq"}, "dtype": "float32"}
+    assert list(config_diff(w8, w4)) == ["quantization"]
+    w4_g128 = {"quantization": {**w4["quantization"], "group_size": 128}, "dtype": "bfloat16"}
+    assert set(config_diff(w4, w4_g128)) == {"quantization.group_size", "dtype"}
