@@ -117,6 +117,15 @@ inline void codes(const uint8_t* p, Vec& lo, Vec& hi) {
 #endif
 }
 
+// The C channels' scales and offsets of group grp (symmetric: offset = -8 * scale).
+template <int C>
+inline void group_params(const Operands& o, int64_t st, int64_t grp, float* sc, float* of) {
+  halves_to_floats<C>(o.scale + st + grp * C, sc);
+  if (o.offset) halves_to_floats<C>(o.offset + st + grp * C, of);
+  else
+    for (int c = 0; c < C; ++c) of[c] = -8.f * sc[c];
+}
+
 // One row (row m of the call) x C channels: partial sums per group, folded by the group's scale.
 template <int C>
 inline void tile_row(const float* x, const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y,
@@ -128,10 +137,7 @@ inline void tile_row(const float* x, const uint8_t* wt, int64_t st, int64_t n, i
   int64_t s = 0;
   for (int64_t grp = 0; grp < o.groups; ++grp) {
     float sc[C], of[C];
-    halves_to_floats<C>(o.scale + st + grp * C, sc);
-    if (o.offset) halves_to_floats<C>(o.offset + st + grp * C, of);
-    else
-      for (int c = 0; c < C; ++c) of[c] = -8.f * sc[c];
+    group_params<C>(o, st, grp, sc, of);
     const float xs = o.xsum[m * o.groups + grp];
     for (int c = 0; c < C; ++c) off[c] += of[c] * xs;
     Vec part[C];
@@ -165,10 +171,7 @@ inline void tile(const float* x, int64_t K, const uint8_t* wt, int64_t st, int64
   int64_t s = 0;  // column step
   for (int64_t grp = 0; grp < o.groups; ++grp) {
     float sc[C], of[C];
-    halves_to_floats<C>(o.scale + st + grp * C, sc);
-    if (o.offset) halves_to_floats<C>(o.offset + st + grp * C, of);
-    else
-      for (int c = 0; c < C; ++c) of[c] = -8.f * sc[c];
+    group_params<C>(o, st, grp, sc, of);
     Dequant d[C];
     for (int c = 0; c < C; ++c) d[c] = Dequant(sc[c], of[c]);
     const int64_t end = std::min(s + o.steps, o.total_steps);
