@@ -27,7 +27,6 @@ those of the layers quantized before it): one calibration pass collects them all
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from fivefold.errors import FivefoldError
+from fivefold.quant.quantize import _default_forward, _run
 from fivefold.models.int4_linear import (
     COLUMN_MULTIPLE,
     Int4Format,
@@ -137,12 +137,6 @@ def _targets(model: nn.Module, config: Int4Config) -> tuple[list[tuple[str, nn.M
             continue  # kept float: the kernel needs K a multiple of 32 (reported by the caller's count)
         targets.append((name, module))
     return targets, head
-
-
-def _run(model, data, forward_fn, description: str, show_progress: bool) -> None:
-    from fivefold.quant.quantize import _run as run
-
-    run(model, data, forward_fn, description, show_progress)
 
 
 # --- GPTQ -------------------------------------------------------------------------------------
@@ -354,10 +348,6 @@ def awq_(model: nn.Module, config: Int4Config, data, forward_fn: Callable, show_
 
 
 # --- the entry point ---------------------------------------------------------------------------
-
-
-def _default_forward(model, sample):
-    return model(*sample) if isinstance(sample, (tuple, list)) else model(sample)
 
 
 def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Iterable[Any] | None = None,
