@@ -20,6 +20,8 @@ Backends:
            layout: float32, bfloat16, int8 (W8A16); for int4, fivefold::int4_linear
            (fivefold/kernels/int4_linear.cpp): 4-bit codes with a float16 scale and minimum per 32
            weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales)
+  stream-a8  int4 only: the same kernel with int8 activations (W4A8: each row quantized per block
+           of 32 inside the call, integer dot products: VNNI vpdpbusd, or vpmaddubsw on AVX2)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
@@ -92,9 +94,13 @@ def backends(dtype: str):
         ops4 = int4_ops()
         if ops4 is None:
             return {}
-        return {"stream": (lambda q, so: (ops4.int4_pack(q), ops4.int4_pack_groups(so[0], True),
-                                          ops4.int4_pack_groups(so[1], True)),
-                           lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None))}
+        def pack(q, so):
+            return ops4.int4_pack(q), ops4.int4_pack_groups(so[0], True), ops4.int4_pack_groups(so[1], True)
+
+        # stream: float activations (W4A16); stream-a8: int8 activations per block of 32, integer
+        # dot products (W4A8, the quantization of x included in the time)
+        return {"stream": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, False)),
+                "stream-a8": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, True))}
     ops = stream_ops()
     torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     found = {}

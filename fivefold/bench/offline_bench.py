@@ -56,7 +56,7 @@ def make_config(model: str, dtype: str = "float32", workload: str = "throughput"
 
         ServedForm(quantization=quantization["on_load"])  # validated
         quantization = {"on_load": quantization["on_load"]}
-    elif quantization is not None and quantization.get("scheme") == "w4a16":
+    elif quantization is not None and quantization.get("scheme") in ("w4a16", "w4a8"):
         from fivefold.quant.int4 import Int4Config
 
         quantization = Int4Config.from_dict(quantization).to_dict()
@@ -98,7 +98,7 @@ def prepared_model(config: dict, loaded=None):
         from fivefold.jobs.quantize import quantize_loaded
         from fivefold.quant.int4 import Int4Config
 
-        config_cls = Int4Config if wanted.get("scheme") == "w4a16" else Int8Config
+        config_cls = Int4Config if wanted.get("scheme") in ("w4a16", "w4a8") else Int8Config
         quantize_loaded(loaded, config_cls.from_dict(wanted), show_progress=False)
     return loaded
 

@@ -12,10 +12,12 @@ from fivefold.models.registry import DEFAULT_LLM
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_LLM, help=f"built-in name, HF directory or GGUF file (default {DEFAULT_LLM})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "gguf"],
+    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w4a8", "gguf"],
                    help="w8a16: int8 weights (one scale per output channel) quantized tensor by tensor while "
                         "loading; w4a16: 4-bit weights (groups of 128 with a minimum, round to nearest; the LM "
-                        "head 8-bit); gguf: a GGUF file's Q4_0/Q4_1 blocks served as they are (dequantized to "
+                        "head 8-bit) times float activations; w4a8: the same weights times int8 activations "
+                        "(per row and block of 32, integer dot products: faster); gguf: a GGUF file's Q4_0/Q4_1 "
+                        "blocks served as they are, times int8 activations as llama.cpp does (dequantized to "
                         "--dtype otherwise). Calibrated schemes: fivefold quantize. A GGUF's Q8_0 tensors stay int8 anyway")
     p.add_argument("--kv-cache-memory-bytes", type=float, default=None,
                    help="KV cache pool in bytes (default 1 GiB)")

@@ -10,12 +10,12 @@ def add_parser(sub) -> None:
     """``fivefold quantize``'s arguments."""
     qz = sub.add_parser("quantize", help="INT8 or 4-bit: quantize an LLM, measure it against float, write a model directory")
     qz.add_argument("--model", default=DEFAULT_LLM)
-    qz.add_argument("--scheme", default="w8a16", choices=["w8a16", "w8a8", "w4a16"])
+    qz.add_argument("--scheme", default="w8a16", choices=["w8a16", "w8a8", "w4a16", "w4a8"])
     qz.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
-                    help="w4a16: round to nearest, GPTQ or AWQ (GPTQ and AWQ calibrate on --num-calibration windows)")
-    qz.add_argument("--group-size", type=int, default=128, help="w4a16: weights per scale (32, 64, 128, 256)")
+                    help="w4a16, w4a8: round to nearest, GPTQ or AWQ (GPTQ and AWQ calibrate on --num-calibration windows)")
+    qz.add_argument("--group-size", type=int, default=128, help="w4a16, w4a8: weights per scale (32, 64, 128, 256)")
     qz.add_argument("--symmetric-weights", action="store_true",
-                    help="w4a16: codes q - 8 with one scale per group (GGUF Q4_0), no minimum")
+                    help="w4a16, w4a8: codes q - 8 with one scale per group (GGUF Q4_0), no minimum")
     qz.add_argument("--activation", default="dynamic", choices=["dynamic", "static"], help="w8a8 activations")
     qz.add_argument("--activation-granularity", default="per-token", choices=["per-token", "per-tensor"],
                     help="dynamic activations: one scale per token or per tensor")
@@ -57,11 +57,11 @@ def run(args) -> int:
 
     if min(args.num_calibration, args.num_eval, args.window) < 1:
         raise FivefoldError("--num-calibration, --num-eval and --window must be >= 1")
-    if args.scheme == "w4a16":
+    if args.scheme in ("w4a16", "w4a8"):  # the same 4-bit weights; w4a8 multiplies them by int8 activations
         from fivefold.quant.int4 import Int4Config
 
         config = Int4Config(group_size=args.group_size, symmetric=args.symmetric_weights, method=args.method,
-                            skip=tuple(args.skip))
+                            skip=tuple(args.skip), activations="int8" if args.scheme == "w4a8" else "float")
     else:
         config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
                             activation_granularity=args.activation_granularity,

@@ -176,7 +176,7 @@ def build_int4(job: QuantizeJob, console=None):
     if config.method == "rtn" and (config.group_size, config.symmetric) == (W4A16.group_size, W4A16.symmetric) \
             and not config.skip and config.head_bits == 8:
         loaded = load_model(job.model, before_weights=lambda c, is_int8, bits, *_: check_fits(
-            job.model, c, torch.float32, EngineConfig(), True, bits=bits), quantization="w4a16")
+            job.model, c, torch.float32, EngineConfig(), True, bits=bits), quantization=config.scheme)
     else:
         loaded = load_model(job.model)
         data = (text_windows(loaded.tokenizer, "calibration", job.num_calibration, job.window)

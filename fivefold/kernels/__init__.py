@@ -18,8 +18,9 @@ their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
   float32, bfloat16 and int8 (W8A16) weights;
 - ``int8_linear.cpp``: the exact int8 x int8 -> int32 matmul that W8A8 runs where the libraries'
   kernels saturate;
-- ``int4_linear.cpp``: the weight-streaming linear of 4-bit weights with group scales (W4A16:
-  symmetric, zero point or minimum; GGUF Q4_0/Q4_1 blocks as they are);
+- ``int4_linear.cpp``: the weight-streaming linear of 4-bit weights with group scales (symmetric,
+  zero point or minimum; GGUF Q4_0/Q4_1 blocks as they are), times float activations (W4A16) or
+  int8 activations per block of 32 with integer dot products (W4A8: VNNI, or vpmaddubsw on AVX2);
 - ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k);
 - ``decode_loop.cpp``: the decoder's layer loop of a decode step, calling the kernels above (and
   oneDNN's GEMM) without a Python call between them.
@@ -167,7 +168,8 @@ def stream_ops():
 
 
 def int4_ops():
-    """``torch.ops.fivefold`` with ``int4_pack``, ``int4_unpack``, ``int4_pack_groups`` and ``int4_linear``, or None."""
+    """``torch.ops.fivefold`` with ``int4_pack``, ``int4_unpack``, ``int4_pack_groups``, ``int4_linear`` and
+    ``int4_linear_int8``, or None."""
     return _load("int4_linear")
 
 

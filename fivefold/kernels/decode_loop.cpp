@@ -25,7 +25,8 @@
 // `stream_max_rows` rows (and for int8 weights always) it runs fivefold::stream_linear; above,
 // oneDNN's packed GEMM, or at::linear on the row-major weight. A 4-bit linear (uint8 weight in
 // fivefold::int4_pack's layout) always runs fivefold::int4_linear: its scale, its bias, and in the
-// last slot its group offsets (empty: symmetric).
+// last slot its group offsets (empty: symmetric); every 4-bit linear of the model takes float or
+// int8 activations alike (`int4_int8_activations`).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -72,10 +73,17 @@ const Ops& ops() {
   return instance;
 }
 
-torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, int64_t stream_max_rows) {
+struct LinearArgs {
+  int64_t stream_max_rows;
+  bool int4_int8_activations;
+};
+
+torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, const LinearArgs& a) {
+  const int64_t stream_max_rows = a.stream_max_rows;
   const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
   if (w.scalar_type() == torch::kInt8) return call(ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
-  if (w.scalar_type() == torch::kUInt8) return call(ops().int4, {x, w, scale, maybe(large), maybe(bias)})[0].toTensor();
+  if (w.scalar_type() == torch::kUInt8)
+    return call(ops().int4, {x, w, scale, maybe(large), maybe(bias), a.int4_int8_activations})[0].toTensor();
   if (w.numel() > 0 && x.size(0) <= stream_max_rows) {  // no streaming copy: the large-batch weight serves
     return call(ops().stream, {x, w, maybe(scale), maybe(bias)})[0].toTensor();
   }
@@ -149,7 +157,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             torch::Tensor seq_lens, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
                             torch::Tensor query_start_loc, torch::Tensor key_rotation,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            int64_t stream_max_rows) {
+                            int64_t stream_max_rows, bool int4_int8_activations) {
+  const LinearArgs args{stream_max_rows, int4_int8_activations};
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == num_layers * kTensorsPerLayer, "decode_layers: expected ",
               kTensorsPerLayer, " tensors per layer for ", num_layers, " layers, got ", layers.size());
@@ -166,7 +175,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     const int64_t base = i * kTensorsPerLayer;
     const int64_t lin = base + 2;
     add_norm(x, residual, layers[base], eps);
-    torch::Tensor qkv = linear(x, layers, lin, stream_max_rows);  // [B, q + 2 kv]
+    torch::Tensor qkv = linear(x, layers, lin, args);  // [B, q + 2 kv]
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
@@ -176,11 +185,11 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     torch::Tensor attn = query_start_loc.numel() > 0
         ? call(ops().chunk_attention, {q, kv_caches[i], block_tables, query_start_loc, seq_lens, scale})[0].toTensor()
         : call(ops().attention, {q, kv_caches[i], block_tables, seq_lens, scale})[0].toTensor();
-    x = linear(attn.view({B, q_size}), layers, lin + kTensorsPerLinear, stream_max_rows);
+    x = linear(attn.view({B, q_size}), layers, lin + kTensorsPerLinear, args);
     add_norm(x, residual, layers[base + 1], eps);
-    torch::Tensor gate_up = linear(x, layers, lin + 2 * kTensorsPerLinear, stream_max_rows);
+    torch::Tensor gate_up = linear(x, layers, lin + 2 * kTensorsPerLinear, args);
     torch::Tensor act = call(ops().silu_mul, {gate_up})[0].toTensor();
-    x = linear(act, layers, lin + 3 * kTensorsPerLinear, stream_max_rows);
+    x = linear(act, layers, lin + 3 * kTensorsPerLinear, args);
   }
   add_norm(x, residual, final_norm, eps);
   return x;
@@ -190,7 +199,7 @@ TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] layers, Tensor[] kv_caches, Tensor final_norm, "
         "Tensor block_tables, Tensor seq_lens, Tensor slot_blocks, Tensor slot_offsets, Tensor query_start_loc, "
         "Tensor key_rotation, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale, int stream_max_rows) -> Tensor");
+        "int num_kv_heads, int head_dim, float eps, float scale, int stream_max_rows, bool int4_int8_activations) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) { m.impl("decode_layers", &decode_layers); }
 // The tensor list holds oneDNN's packed weights, whose dispatch key is MkldnnCPU.

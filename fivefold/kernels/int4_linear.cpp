@@ -30,7 +30,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -205,6 +207,237 @@ inline void channels(const float* x, int64_t M, int64_t K, const uint8_t* wt, in
   for (; m < M; ++m) tile_row<C>(x + m * K, wt, st, n, m, y + m * N, o);
 }
 
+// ---- W4A8: int8 activations, integer dot products ----
+//
+// Each row of x is quantized per block of kBlock = 32 columns (llama.cpp's Q8_0 block): d = amax /
+// 127, xq = round(x / d). Then, with a group's weights w = s q + o and q in 0..15,
+//   sum_k x w = sum_groups (s sum_blocks d_b sum_k q xq + o sum_blocks d_b sum_k xq)
+// The q * xq products are summed exactly in int32: one block of one channel is at most 32 x 15 x
+// 127 = 60960 in magnitude. With AVX-512 VNNI, vpdpbusd (unsigned bytes times signed bytes, four
+// products into each int32 lane) takes the codes as they are; without VNNI, vpmaddubsw sums
+// pairs of products into int16, which cannot saturate here: codes are at most 15, so a pair is at
+// most 2 x 15 x 128 = 3840 in magnitude, and the four pairs summed before widening (vpmaddwd)
+// at most 15360 < 32767. Each block's integer sum is converted to float once and scaled by d_b;
+// each group's sum by s once; the offset term uses each row's group sums of the dequantized
+// activations, computed once per call. The weights' layout is the W4A16 one: a tile's step of
+// 2W columns is one byte vector (AVX-512: 64 bytes, 16 per channel; AVX2: 32, 8 per channel), its
+// low nibbles columns j and high nibbles W + j of each channel, so the activations' matching W bytes
+// are broadcast to every channel's lane group and the int32 accumulator holds kLanes lanes per
+// channel, summed at the end. Per 32 weights and row: two multiply-adds of bytes, a conversion and
+// an FMA, against eight FMAs (and the dequantization) on the float path.
+constexpr int64_t kBlock = 32;
+constexpr int kLanes = kWidth >= kChannels ? static_cast<int>(kWidth) / kChannels : 1;  // int32 (and float) lanes per channel
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FIVEFOLD_A8 1
+using IVec = __m512i;
+constexpr int64_t kStepsPerBlock = 1;
+inline IVec wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+inline IVec xbroadcast(const int8_t* p) {  // W = 16 bytes into each channel's 128-bit lane
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+// lanes of 4 per channel: [a0 a0 a0 a0 a1 a1 a1 a1 ...]
+inline Vec spread(const float* a) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                               _mm512_castps128_ps512(_mm_loadu_ps(a)));
+}
+#elif defined(__AVX2__)
+#define FIVEFOLD_A8 1
+using IVec = __m256i;
+constexpr int64_t kStepsPerBlock = 2;
+inline IVec wload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+inline IVec xbroadcast(const int8_t* p) {  // W = 8 bytes into each channel's 64-bit lane
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline Vec spread(const float* a) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(a)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+#endif
+
+#if defined(FIVEFOLD_A8)
+// One activation block's weights for the C channels of a tile: the codes of each step's low and
+// high nibbles, unsigned bytes. A narrower last tile (C < 4) is copied into a zeroed full vector.
+template <int C>
+struct BlockCodes {
+  IVec lo[kStepsPerBlock], hi[kStepsPerBlock];
+  explicit BlockCodes(const uint8_t* p) {
+    for (int64_t t = 0; t < kStepsPerBlock; ++t, p += C * kWidth) {
+      IVec v;
+      if constexpr (C == kChannels) {
+        v = wload(p);
+      } else {
+        alignas(64) uint8_t buf[kChannels * kWidth] = {};
+        std::memcpy(buf, p, C * kWidth);
+        v = wload(buf);
+      }
+      lo[t] = lo_nibbles(v);
+      hi[t] = hi_nibbles(v);
+    }
+  }
+};
+
+// sum over the block of q * xq, kLanes int32 partial sums per channel (xq: the row's 32 bytes).
+template <int C>
+inline IVec block_dot(const BlockCodes<C>& b, const int8_t* xq) {
+#if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), b.lo[0], xbroadcast(xq)), b.hi[0],
+                             xbroadcast(xq + kWidth));
+#else
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(b.lo[0], xbroadcast(xq)),
+                                         _mm512_maddubs_epi16(b.hi[0], xbroadcast(xq + kWidth)));
+  return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#endif
+#else
+  __m256i pairs = _mm256_maddubs_epi16(b.lo[0], xbroadcast(xq));
+  pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.hi[0], xbroadcast(xq + kWidth)));
+  pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.lo[1], xbroadcast(xq + 2 * kWidth)));
+  pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.hi[1], xbroadcast(xq + 3 * kWidth)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// The quantized activations of a call.
+struct Int8Rows {
+  const int8_t* xq;   // [M, K]
+  const float* d;     // [M, K / kBlock]: each block's scale
+  const float* xsum;  // [M, groups]: each group's sum of the dequantized row, divided by kLanes
+  int64_t K, blocks, groups;
+};
+
+#if defined(FIVEFOLD_A8)
+// R rows (from row m) x C channels starting at channel n.
+template <int R, int C>
+inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st, int64_t n, float* y, int64_t N,
+                    const Operands& o) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  const uint8_t* p = wt;
+  const int64_t blocks_per_group = o.steps / kStepsPerBlock;
+  int64_t blk = 0;
+  for (int64_t grp = 0; grp < o.groups; ++grp) {
+    float sc[kChannels] = {}, of[kChannels] = {};
+    group_params<C>(o, st, grp, sc, of);
+    Vec part[R];
+    for (int r = 0; r < R; ++r) part[r] = vzero();
+    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kStepsPerBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+      const BlockCodes<C> codes(p);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m + r;
+        const Vec sum = to_float(block_dot(codes, a.xq + row * a.K + blk * kBlock));
+        part[r] = vfma(sum, vset1(a.d[row * a.blocks + blk]), part[r]);
+      }
+    }
+    const Vec scv = spread(sc), ofv = spread(of);
+    for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[kWidth];
+    vstore(lanes, acc[r]);
+    for (int c = 0; c < C; ++c) {
+      float v = o.bias ? o.bias[n + c] : 0.f;
+      for (int l = 0; l < kLanes; ++l) v += lanes[c * kLanes + l];
+      y[(m + r) * N + n + c] = v;
+    }
+  }
+}
+
+template <int C>
+inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, float* y, int64_t N,
+                        const Operands& o) {
+  const int64_t st = n * o.groups;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile_a8<kRows, C>(a, m, wt, st, n, y, N, o);
+  switch (M - m) {
+    case 3: tile_a8<3, C>(a, m, wt, st, n, y, N, o); break;
+    case 2: tile_a8<2, C>(a, m, wt, st, n, y, N, o); break;
+    case 1: tile_a8<1, C>(a, m, wt, st, n, y, N, o); break;
+    default: break;
+  }
+}
+#endif
+
+// Each row's blocks of kBlock columns to int8: d = amax / 127, q = round(x / d) (ties to even),
+// as fivefold/models/int4_linear.py's quantize_activations computes them. x [M, K] -> xq [M, K],
+// d [M, K / kBlock]. Compiled without -ffast-math: it may turn x / d into x * (1 / d), which rounds
+// differently at ties, and a test compares the bytes with the reference's.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+// One block of 32: its scale, its codes.
+inline float quantize_block(const float* xb, int8_t* qb) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  if (scale > 0.f) {  // cvtps rounds to nearest even (MXCSR's default); |x / scale| <= 127 already
+    const __m512 s = _mm512_set1_ps(scale);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(a, s))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(b, s))));
+  } else {
+    std::memset(qb, 0, kBlock);
+  }
+  return scale;
+#elif defined(__AVX2__)
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_and_ps(v[i] = _mm256_loadu_ps(xb + 8 * i), mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float scale = _mm_cvtss_f32(h) / 127.f;
+  if (scale > 0.f) {
+    const __m256 s = _mm256_set1_ps(scale);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], s));
+    // packs work within 128-bit lanes: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7], then put in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  } else {
+    std::memset(qb, 0, kBlock);
+  }
+  return scale;
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float scale = amax / 127.f;
+  for (int64_t j = 0; j < kBlock; ++j)
+    qb[j] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(std::clamp(xb[j] / scale, -127.f, 127.f))) : 0;
+  return scale;
+#endif
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
+  const int64_t blocks = M * (K / kBlock);
+#pragma omp parallel for schedule(static) if (blocks > 2048)
+  for (int64_t b = 0; b < blocks; ++b) d[b] = quantize_block(x + b * kBlock, xq + b * kBlock);
+}
+#pragma GCC pop_options
+
+// Each row's sum over each group of the dequantized activations, d * q, divided by kLanes (tile_a8
+// adds offset * xsum to each of a channel's kLanes lanes). [M, groups]
+void int8_group_sums(const int8_t* xq, const float* d, int64_t M, int64_t K, int64_t group_cols, float* xsum) {
+  const int64_t blocks = K / kBlock, groups = (K + group_cols - 1) / group_cols;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) xsum[m * groups + g] = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int sum = 0;
+      for (int64_t j = 0; j < kBlock; ++j) sum += xq[(m * blocks + b) * kBlock + j];
+      xsum[m * groups + b * kBlock / group_cols] += d[m * blocks + b] * static_cast<float>(sum) / kLanes;
+    }
+  }
+}
+
 void check_layout(const torch::Tensor& w, const char* op) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), op,
               ": the weight must come from this build's int4_pack (uint8 [N, K/", kStepCols, ", ", kWidth, "]), got ",
@@ -257,35 +490,51 @@ torch::Tensor int4_pack_groups(torch::Tensor s, bool to_packed) {
   return out;
 }
 
-// x: [M, K] float32 or bfloat16; w: int4_pack's layout; scale, offset: int4_pack_groups's layout
-// (float16 [N, groups], K / groups a multiple of 2W); offset None: symmetric (q - 8); bias: [N] or
-// None. Returns [M, N] in x's dtype.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
-                          const c10::optional<torch::Tensor>& offset_opt, const c10::optional<torch::Tensor>& bias_opt) {
-  check_layout(w, "int4_linear");
-  const int64_t N = w.size(0), K = w.size(1) * kStepCols;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int4_linear: shapes do not match, x ", x.sizes(), " for K = ", K);
-  const auto out_dtype = x.scalar_type();
-  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
-              "int4_linear: activations must be float32 or bfloat16, got ", out_dtype);
+namespace {
+
+// The checked operands of a call on weights w (int4_pack's layout) of K columns.
+Operands checked_operands(const char* op, const torch::Tensor& w, int64_t K, const torch::Tensor& scale,
+                          const c10::optional<torch::Tensor>& offset_opt, const c10::optional<torch::Tensor>& bias_opt,
+                          torch::Tensor& offset, torch::Tensor& bias, int64_t& group_cols) {
+  const int64_t N = w.size(0);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == torch::kHalf && scale.is_contiguous(),
-              "int4_linear: scale must be float16 [", N, ", groups] from int4_pack_groups, got ", scale.sizes());
+              op, ": scale must be float16 [", N, ", groups] from int4_pack_groups, got ", scale.sizes());
   const int64_t groups = scale.size(1);
-  const int64_t group_cols = group_columns(K, groups);
-  TORCH_CHECK(group_cols > 0, "int4_linear: ", groups, " groups do not split K = ", K,
+  group_cols = group_columns(K, groups);
+  TORCH_CHECK(group_cols > 0, op, ": ", groups, " groups do not split K = ", K,
               " into groups of a power of two columns, a multiple of ", kStepCols);
-  torch::Tensor offset, bias;
   if (offset_opt.has_value() && offset_opt->defined()) {
     offset = *offset_opt;
     TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == torch::kHalf && offset.is_contiguous(),
-                "int4_linear: offset must be float16 shaped like scale");
+                op, ": offset must be float16 shaped like scale");
   }
   if (bias_opt.has_value() && bias_opt->defined() && bias_opt->numel() > 0) {
     bias = bias_opt->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(bias.numel() == N, "int4_linear: bias must have ", N, " elements");
+    TORCH_CHECK(bias.numel() == N, op, ": bias must have ", N, " elements");
   }
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0);
+  return Operands{scale.data_ptr<at::Half>(), offset.defined() ? offset.data_ptr<at::Half>() : nullptr, nullptr,
+                  bias.defined() ? bias.data_ptr<float>() : nullptr, groups, group_cols / kStepCols, K / kStepCols};
+}
+
+// Every tile of the weight (threads split the tiles) against all M rows: body(C, wt, n) with C the
+// tile's channels as a template constant.
+template <typename Body>
+void for_each_tile(int64_t N, int64_t K, Body&& body) {
+  const int64_t tile_bytes = K / 2, num_tiles = N / kChannels;  // bytes per channel; full tiles
+#pragma omp parallel for schedule(static) if (N * K > (1 << 15))
+  for (int64_t t = 0; t < num_tiles; ++t) body(std::integral_constant<int, kChannels>{}, t * kChannels * tile_bytes, t * kChannels);
+  const int64_t n = num_tiles * kChannels;
+  switch (N - n) {  // the narrower last tile
+    case 3: body(std::integral_constant<int, 3>{}, n * tile_bytes, n); break;
+    case 2: body(std::integral_constant<int, 2>{}, n * tile_bytes, n); break;
+    case 1: body(std::integral_constant<int, 1>{}, n * tile_bytes, n); break;
+    default: break;
+  }
+}
+
+// The W4A16 product of float32 rows xf [M, K].
+torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operands o, int64_t group_cols) {
+  const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), groups = o.groups;
   auto xsum = torch::empty({M, groups}, xf.options());
   {
     const float* xp = xf.data_ptr<float>();
@@ -297,36 +546,100 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
         sp[m * groups + grp] = sum;
       }
   }
-  const Operands o{scale.data_ptr<at::Half>(), offset.defined() ? offset.data_ptr<at::Half>() : nullptr,
-                   xsum.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, groups,
-                   group_cols / kStepCols, K / kStepCols};
+  o.xsum = xsum.data_ptr<float>();
   auto y = torch::empty({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tile_bytes = K / 2, num_tiles = N / kChannels;  // bytes per channel; full tiles
-#pragma omp parallel for schedule(static) if (N * K > (1 << 15))
-  for (int64_t t = 0; t < num_tiles; ++t)
-    channels<kChannels>(xp, M, K, wp + t * kChannels * tile_bytes, t * kChannels, yp, N, o);
-  const int64_t n = num_tiles * kChannels;
-  switch (N - n) {  // the narrower last tile
-    case 3: channels<3>(xp, M, K, wp + n * tile_bytes, n, yp, N, o); break;
-    case 2: channels<2>(xp, M, K, wp + n * tile_bytes, n, yp, N, o); break;
-    case 1: channels<1>(xp, M, K, wp + n * tile_bytes, n, yp, N, o); break;
-    default: break;
+  for_each_tile(N, K, [&](auto c, int64_t byte0, int64_t n) { channels<decltype(c)::value>(xp, M, K, wp + byte0, n, yp, N, o); });
+  return y;
+}
+
+// The W4A8 product of quantized rows (xq int8 [M, K], d float32 [M, K / kBlock]).
+torch::Tensor run_int8(const torch::Tensor& xq, const torch::Tensor& d, const torch::Tensor& w, Operands o,
+                       int64_t group_cols) {
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+#if defined(FIVEFOLD_A8)
+  auto xsum = torch::empty({M, o.groups}, d.options());
+  int8_group_sums(xq.data_ptr<int8_t>(), d.data_ptr<float>(), M, K, group_cols, xsum.data_ptr<float>());
+  auto y = torch::empty({M, N}, d.options());
+  const Int8Rows a{xq.data_ptr<int8_t>(), d.data_ptr<float>(), xsum.data_ptr<float>(), K, K / kBlock, o.groups};
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for_each_tile(N, K, [&](auto c, int64_t byte0, int64_t n) { channels_a8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, o); });
+  return y;
+#else  // no integer dot product in this build: the same numbers through the float path
+  const torch::Tensor x = (xq.to(torch::kFloat32).view({M, K / kBlock, kBlock}) * d.view({M, K / kBlock, 1})).view({M, K});
+  return run_float(x, w, o, group_cols);
+#endif
+}
+
+void check_int8_shapes(const char* op, int64_t K, int64_t group_cols) {
+  TORCH_CHECK(K % kBlock == 0 && group_cols % kBlock == 0, op, ": int8 activations need K (", K,
+              ") and the group size (", group_cols, ") to be multiples of ", kBlock);
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bfloat16; w: int4_pack's layout; scale, offset: int4_pack_groups's layout
+// (float16 [N, groups], K / groups a multiple of 2W); offset None: symmetric (q - 8); bias: [N] or
+// None. int8_activations: quantize each row per block of 32 columns and multiply with integer dot
+// products (W4A8, see above); else the float path (W4A16). Returns [M, N] in x's dtype.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                          const c10::optional<torch::Tensor>& offset_opt, const c10::optional<torch::Tensor>& bias_opt,
+                          bool int8_activations) {
+  check_layout(w, "int4_linear");
+  const int64_t N = w.size(0), K = w.size(1) * kStepCols;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int4_linear: shapes do not match, x ", x.sizes(), " for K = ", K);
+  const auto out_dtype = x.scalar_type();
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              "int4_linear: activations must be float32 or bfloat16, got ", out_dtype);
+  torch::Tensor offset, bias;
+  int64_t group_cols = 0;
+  Operands o = checked_operands("int4_linear", w, K, scale, offset_opt, bias_opt, offset, bias, group_cols);
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = x.size(0);
+  if (int8_activations) {
+    check_int8_shapes("int4_linear", K, group_cols);
+    auto xq = torch::empty({M, K}, xf.options().dtype(torch::kInt8));
+    auto d = torch::empty({M, K / kBlock}, xf.options());
+    quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+    const torch::Tensor y = run_int8(xq, d, w, o, group_cols);
+    return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);
   }
-  return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);
+  return out_dtype == torch::kFloat32 ? run_float(xf, w, o, group_cols) : run_float(xf, w, o, group_cols).to(out_dtype);
+}
+
+// The W4A8 product of activations already quantized: xq int8 [M, K], d float32 [M, K / 32] (one
+// scale per block of 32 columns); the rest as int4_linear. For tests of the integer sums (d = 1,
+// scale = 1: the result is the int64 dot product exactly) and for callers that quantize once.
+torch::Tensor int4_linear_int8(torch::Tensor xq, torch::Tensor d, torch::Tensor w, torch::Tensor scale,
+                               const c10::optional<torch::Tensor>& offset_opt,
+                               const c10::optional<torch::Tensor>& bias_opt) {
+  check_layout(w, "int4_linear_int8");
+  const int64_t K = w.size(1) * kStepCols;
+  TORCH_CHECK(xq.dim() == 2 && xq.size(1) == K && xq.scalar_type() == torch::kInt8, "int4_linear_int8: xq must be int8 [M, ",
+              K, "], got ", xq.scalar_type(), " ", xq.sizes());
+  torch::Tensor offset, bias;
+  int64_t group_cols = 0;
+  const Operands o = checked_operands("int4_linear_int8", w, K, scale, offset_opt, bias_opt, offset, bias, group_cols);
+  check_int8_shapes("int4_linear_int8", K, group_cols);
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == xq.size(0) && d.size(1) == K / kBlock && d.scalar_type() == torch::kFloat32,
+              "int4_linear_int8: d must be float32 [M, ", K / kBlock, "], got ", d.scalar_type(), " ", d.sizes());
+  return run_int8(xq.contiguous(), d.contiguous(), w, o, group_cols);
 }
 
 TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("int4_pack(Tensor q) -> Tensor");
   m.def("int4_unpack(Tensor w) -> Tensor");
   m.def("int4_pack_groups(Tensor s, bool to_packed) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor? offset, Tensor? bias, bool int8_activations=False) -> Tensor");
+  m.def("int4_linear_int8(Tensor xq, Tensor d, Tensor w, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_pack", &int4_pack);
   m.impl("int4_unpack", &int4_unpack);
   m.impl("int4_pack_groups", &int4_pack_groups);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear_int8", &int4_linear_int8);
 }

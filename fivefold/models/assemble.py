@@ -14,6 +14,7 @@ soon as its served form exists, so a load's peak is the served model plus a fuse
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterable
@@ -29,7 +30,7 @@ from fivefold.models.layers import PackedLinear, RotaryEmbedding
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.platform import release_free_heap
 
-QUANTIZE_ON_LOAD = ("w8a16", "w4a16")  # the schemes that need no calibration data
+QUANTIZE_ON_LOAD = ("w8a16", "w4a16", "w4a8")  # the schemes that need no calibration data
 AS_STORED = "gguf"  # a GGUF file's quantized blocks served as they are (Q4_0, Q4_1; Q8_0 always)
 LAYOUTS = ("dense", "packed")
 
@@ -44,8 +45,9 @@ class ServedForm:
     stream_copy: packed layers also keep the streaming kernel's copy (faster decode at 1-4 rows,
         twice the memory: the engine turns it on for small models only).
     quantization: None, "w8a16" (int8 weights, one scale per output channel, quantized here),
-        "w4a16" (4-bit weights, groups of 128 with a minimum, quantized here; a tied LM head W8A16)
-        or "gguf" (a GGUF file's 4-bit blocks kept as they are).
+        "w4a16" (4-bit weights, groups of 128 with a minimum, quantized here; a tied LM head W8A16),
+        "w4a8" (the same, multiplied by int8 activations) or "gguf" (a GGUF file's 4-bit blocks
+        kept as they are, multiplied by int8 activations as llama.cpp does).
     """
 
     dtype: torch.dtype = torch.float32
@@ -64,6 +66,12 @@ class ServedForm:
 
 W8A16 = Int8Format(scheme="w8a16")
 W4A16 = Int4Format(group_size=128, symmetric=False)
+GGUF_ACTIVATIONS = "int8"  # a GGUF's Q4_0/Q4_1 blocks against int8 activations per block of 32, as llama.cpp
+
+
+def on_load_int4_format(quantization: str) -> Int4Format:
+    """The 4-bit format of ``--quantization w4a16`` or ``w4a8``: RTN groups of 128 with a minimum."""
+    return dataclasses.replace(W4A16, activations="int8" if quantization == "w4a8" else "float")
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -179,7 +187,7 @@ class _Assembler:
             quantized = isinstance(weight, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD
             bias = bias.float() if quantized else bias
         if isinstance(weight, Int4Quantized):
-            return Int4Linear.from_quantized(weight, bias)
+            return Int4Linear.from_quantized(weight, bias, GGUF_ACTIVATIONS)
         if isinstance(weight, GroupQuantized):
             fmt = Int8Format(scheme="w8a16", weight_granularity="per-group", group_size=weight.group_size)
             module = Int8Linear(weight.q.shape[1], weight.q.shape[0], bias is not None, fmt)
@@ -187,10 +195,11 @@ class _Assembler:
             if bias is not None:
                 module.bias = bias
             return module.pack_()
-        if form.quantization == "w8a16" or (form.quantization == "w4a16" and head):
+        four_bit = form.quantization in ("w4a16", "w4a8")
+        if form.quantization == "w8a16" or (four_bit and head):
             return Int8Linear.from_float(SimpleNamespace(weight=weight, bias=bias), W8A16).pack_()
-        if form.quantization == "w4a16":
-            return Int4Linear.from_float(SimpleNamespace(weight=weight, bias=bias), W4A16)
+        if four_bit:
+            return Int4Linear.from_float(SimpleNamespace(weight=weight, bias=bias), on_load_int4_format(form.quantization))
         if form.weight_layout == "packed" and PackedLinear.can_pack(weight.dtype):
             return PackedLinear.from_weight(weight, bias, stream_copy=form.stream_copy)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")

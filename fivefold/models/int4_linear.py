@@ -17,9 +17,20 @@ byte i, column 2i + 1 in the high one), ``scale`` float16 [N, groups], ``offset`
 groups] (asymmetric only), ``bias`` float32 (or absent). In memory the layer holds the kernel's
 tile-major layout only (one copy); the state dict unpacks it.
 
+Activations: ``Int4Format.activations="float"`` (W4A16) multiplies float activations by the
+dequantized weights; ``"int8"`` (W4A8, as llama.cpp runs Q4_0 and Q4_1 against Q8 activations)
+quantizes each row per block of ``ACT_BLOCK`` = 32 columns (scale = amax / 127, round to nearest
+even: :func:`quantize_activations`) and sums codes times activations exactly in integers (VNNI
+``vpdpbusd``, or ``vpmaddubsw`` on AVX2), scaling each block's sum once. W4A8 is faster (an
+integer dot product does 4 products per lane per instruction, and the codes need no conversion to
+float) and costs a little accuracy (int8 activations per block of 32: benchmarks/int4_quality.py
+measures both).
+
 Decode batches (up to ``SMALL_BATCH`` rows) run the streaming kernel, which reads each weight byte
 once per call; larger batches (prefill) dequantize ``DEQUANT_TILE`` output channels at a time and
-run a float GEMM. Without the compiled kernels every call dequantizes (the PyTorch path).
+run a float GEMM (with int8 activations, on the activations quantized and dequantized, so that a
+prompt's numbers are those of the kernel). Without the compiled kernels every call dequantizes (the
+PyTorch path).
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
 
 GROUP_SIZES = (32, 64, 128, 256)
+ACTIVATIONS = ("float", "int8")
+ACT_BLOCK = 32  # columns per activation scale with int8 activations (llama.cpp's Q8_0 block)
 COLUMN_MULTIPLE = 32  # K must be a multiple of it: one byte vector of the kernel on AVX-512
 SMALL_BATCH = 64  # rows up to which the streaming kernel runs
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger batches (a multiple of 4)
@@ -46,15 +59,25 @@ class Int4Format:
     symmetric: codes q - 8 times one scale per group (GGUF Q4_0); False (default) adds a per-group
         offset (GGUF Q4_1's minimum, GPTQ's and AWQ's zero point), which fits skewed groups better
         for 16 more bits per group.
+    activations: "float" (W4A16) or "int8" (W4A8: each row quantized per block of 32 columns,
+        integer dot products; see the module docstring). The stored weights are the same.
     """
 
     group_size: int = 128
     symmetric: bool = False
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
             raise FivefoldError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} for 4-bit weights, "
                                 f"got {self.group_size}")
+        if self.activations not in ACTIVATIONS:
+            raise FivefoldError(f"activations must be one of {', '.join(ACTIVATIONS)} for 4-bit weights, "
+                                f"got '{self.activations}'")
+
+    @property
+    def scheme(self) -> str:
+        return "w4a8" if self.activations == "int8" else "w4a16"
 
     def bits_per_weight(self, in_features: int | None = None) -> float:
         """4 bits + a float16 scale (and offset) per group (per weight of a row of ``in_features``)."""
@@ -138,6 +161,26 @@ def quantize_int4(w: torch.Tensor, fmt: Int4Format) -> Int4Quantized:
     return Int4Quantized(q, scale[:, :, 0].contiguous(), offset, fmt.group_size)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of float32 ``x`` [M, K] (K a multiple of 32) -> (codes int8 [M, K], scales float32
+    [M, K / 32]): per block of 32 columns, scale = amax / 127 and code = round(x / scale), ties to
+    even (what the kernel computes, byte for byte); an all-zero block has scale 0 and codes 0."""
+    m, k = x.shape
+    if k % ACT_BLOCK:
+        raise FivefoldError(f"int8 activations need in_features to be a multiple of {ACT_BLOCK}, got {k}")
+    blocks = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(m, k), scale.reshape(m, -1)
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`quantize_activations`: float32 [M, K]."""
+    m, k = q.shape
+    return (q.float().reshape(m, -1, ACT_BLOCK) * scale[:, :, None]).reshape(m, k)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] -> [N, K / 2], column 2i in the low nibble of byte i."""
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
@@ -163,10 +206,12 @@ class Int4Linear(nn.Module):
         self._prepared: dict | None = None  # the kernel's operands, when it is built and the layer packed
 
     @classmethod
-    def from_quantized(cls, quantized: Int4Quantized, bias: torch.Tensor | None = None) -> "Int4Linear":
-        """The layer holding ``quantized`` (packed for the kernel at once: one copy)."""
+    def from_quantized(cls, quantized: Int4Quantized, bias: torch.Tensor | None = None,
+                       activations: str = "float") -> "Int4Linear":
+        """The layer holding ``quantized`` (packed for the kernel at once: one copy), multiplying
+        ``activations`` ("float" or "int8") by it."""
         n, k = quantized.q.shape
-        fmt = Int4Format(group_size=quantized.group_size, symmetric=quantized.offset is None)
+        fmt = Int4Format(group_size=quantized.group_size, symmetric=quantized.offset is None, activations=activations)
         module = cls(k, n, bias is not None, fmt)
         if module.scale.shape != quantized.scale.shape:
             raise FivefoldError(f"4-bit scales of shape {tuple(quantized.scale.shape)} do not fit a [{n}, {k}] weight "
@@ -183,11 +228,23 @@ class Int4Linear(nn.Module):
         """Round-to-nearest of an ``nn.Linear`` (or anything with ``weight`` and ``bias``)."""
         from fivefold.models.int8_linear import dense_weight
 
-        return cls.from_quantized(quantize_int4(dense_weight(linear), fmt), getattr(linear, "bias", None))
+        return cls.from_quantized(quantize_int4(dense_weight(linear), fmt), getattr(linear, "bias", None),
+                                  fmt.activations)
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.format.activations == "int8"
+
+    def set_activations_(self, activations: str) -> "Int4Linear":
+        """Multiply ``activations`` ("float" or "int8") by the same weights from now on."""
+        from dataclasses import replace
+
+        self.format = replace(self.format, activations=activations)
+        return self
 
     @property
     def kernel(self) -> str:
-        return "fivefold-w4a16" if int4_ops() is not None else "dequant"
+        return f"fivefold-{self.format.scheme}" if int4_ops() is not None else "dequant"
 
     def pack_(self) -> "Int4Linear":
         """Hold the weight (and its scales) in the kernel's layout only, once the kernel is built."""
@@ -246,8 +303,11 @@ class Int4Linear(nn.Module):
             x2 = x2.float()
         p = self._prepared
         if p is not None and x2.shape[0] <= SMALL_BATCH:
-            y = int4_ops().int4_linear(x2.contiguous(), p["w"], p["scale"], p["offset"], self.bias)
+            y = int4_ops().int4_linear(x2.contiguous(), p["w"], p["scale"], p["offset"], self.bias,
+                                       self.int8_activations)
         else:
+            if self.int8_activations:  # the numbers the kernel computes, through a float GEMM
+                x2 = dequantize_activations(*quantize_activations(x2)).to(x2.dtype)
             y = self._dequantized_matmul(x2)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
@@ -272,4 +332,4 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         kind = "symmetric" if self.format.symmetric else "asymmetric"
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.format.group_size}, "
-                f"{kind}, bias={self.bias is not None}, kernel={self.kernel}")
+                f"{kind}, activations={self.format.activations}, bias={self.bias is not None}, kernel={self.kernel}")

@@ -28,7 +28,7 @@ from fivefold.models.registry import resolve_model_path
 from fivefold.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ON_LOAD_BITS = {"w8a16": 8.0, "w4a16": 4.25}  # bits per projection weight, scales included (W4A16: groups of 128)
+ON_LOAD_BITS = {"w8a16": 8.0, "w4a16": 4.25, "w4a8": 4.25}  # bits per projection weight, scales included (W4A16: groups of 128)
 QUANT_METHOD = "fivefold-int8"  # config.json's quantization_config.quant_method of save_quantized
 FORMAT_VERSION = 1
 
@@ -170,9 +170,11 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
     loads in its own int8 format.
 
     ``quantization="w4a16"``: 4-bit weights in groups of 128 with a minimum (round to nearest), the
-    tied LM head W8A16. ``quantization="gguf"``: a GGUF file's Q4_0/Q4_1 blocks served as they are
-    by the 4-bit kernel (by default they are dequantized to ``dtype``: the built-in model's float
-    weights are these blocks dequantized, and the float model is what fivefold's passes work on).
+    tied LM head W8A16; ``"w4a8"``: the same weights multiplied by int8 activations (per row and
+    block of 32, integer dot products). ``quantization="gguf"``: a GGUF file's Q4_0/Q4_1 blocks
+    served as they are by the 4-bit kernel against int8 activations, as llama.cpp runs them (by
+    default they are dequantized to ``dtype``: the built-in model's float weights are these blocks
+    dequantized, and the float model is what fivefold's passes work on).
 
     ``before_weights(config, is_int8, bits, four_bit_file)`` runs once the checkpoint's metadata is
     read and before any weight is (``bits``: per quantized projection weight, scales included;
@@ -204,7 +206,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
     else:
         if quantization == "gguf":
             raise ModelLoadError(f"--quantization gguf serves a GGUF file's blocks as they are; {location} is not a "
-                                 f"GGUF file (quantize on load: w8a16, w4a16)")
+                                 f"GGUF file (quantize on load: w8a16, w4a16, w4a8)")
         is_int8 = quantization is not None or qconfig is not None
         bits = ON_LOAD_BITS.get(quantization, 8.0)
         weights = hf_tensors(location)
@@ -221,10 +223,11 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
         from fivefold.models.assemble import W8A16
 
         quant = {**dataclasses.asdict(W8A16), "skip": []}
-    elif form.quantization == "w4a16":
-        from fivefold.models.assemble import W4A16
+    elif form.quantization in ("w4a16", "w4a8"):
+        from fivefold.models.assemble import on_load_int4_format
 
-        quant = {"scheme": "w4a16", "method": "rtn", **dataclasses.asdict(W4A16)}
+        fmt = on_load_int4_format(form.quantization)
+        quant = {"scheme": fmt.scheme, "method": "rtn", **dataclasses.asdict(fmt)}
     return LoadedModel(model, tokenizer, config, location, fmt, name_or_path, quant)
 
 
@@ -252,9 +255,9 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
         raise ModelLoadError(f"{directory}: quantized format version {qconfig.get('format_version')} is not "
                              f"supported (this version reads {FORMAT_VERSION})")
     # a 4-bit model's other quantized layers (its LM head) are W8A16 per channel
-    int8_format = (Int8Format("w8a16") if qconfig["config"].get("scheme") == "w4a16"
+    int8_format = (Int8Format("w8a16") if qconfig["config"].get("scheme") in ("w4a16", "w4a8")
                    else Int8Format.of(qconfig["config"]))
-    int4 = qconfig.get("int4", {})  # name -> {"group_size", "symmetric"}
+    int4 = qconfig.get("int4", {})  # name -> {"group_size", "symmetric"[, "activations"]}
     from fivefold.models.safetensors_file import read_header, read_tensors
 
     file = directory / "model.safetensors"
@@ -331,7 +334,8 @@ def save_quantized(loaded: LoadedModel, config: dict, modules: list[str], out_di
 
     grouped = {name: m.group_size for name, m in loaded.model.named_modules()
                if isinstance(m, Int8Linear) and m.group_size is not None}
-    int4 = {name: {"group_size": m.format.group_size, "symmetric": m.format.symmetric}
+    int4 = {name: {"group_size": m.format.group_size, "symmetric": m.format.symmetric,
+                   **({"activations": m.format.activations} if m.int8_activations else {})}
             for name, m in loaded.model.named_modules() if isinstance(m, Int4Linear)}
     hf = loaded.config.to_hf_dict()
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,

@@ -63,6 +63,14 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     return f"{type(linear).__name__} projections"
 
 
+def _int4_activations(model: nn.Module) -> set[str]:
+    """The activation precisions ("float", "int8") of the model's 4-bit layers (the C++ loop runs
+    them all one way)."""
+    from fivefold.models.int4_linear import Int4Linear
+
+    return {m.format.activations for m in model.modules() if isinstance(m, Int4Linear)}
+
+
 class NativeDecoder:
     """Runs :meth:`LlamaForCausalLM.forward` for a decode-only step in one C++ call."""
 
@@ -81,7 +89,7 @@ class NativeDecoder:
         self.layer_tensors = tensors
         c = model.config
         self.shape_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
-                           stream_max_rows(torch.float32))
+                           stream_max_rows(torch.float32), _int4_activations(model) == {"int8"})
 
     @staticmethod
     def unsupported_reason(model: nn.Module) -> str | None:
@@ -100,6 +108,8 @@ class NativeDecoder:
                 found = _linear_tensors(linear)
                 if isinstance(found, str):
                     return found
+        if len(_int4_activations(model)) > 1:
+            return "4-bit projections with float and int8 activations in one model"
         return None
 
     @staticmethod

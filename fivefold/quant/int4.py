@@ -94,15 +94,17 @@ class Int4Config(Int4Format):
 
     @property
     def label(self) -> str:
-        return (f"W4A16 {self.method.upper()} g{self.group_size} {'sym' if self.symmetric else 'asym'} "
+        return (f"{self.scheme.upper()} {self.method.upper()} g{self.group_size} {'sym' if self.symmetric else 'asym'} "
                 f"({self.bits_per_weight():.2f} bits/weight)")
 
     def to_dict(self) -> dict:
-        return {"scheme": "w4a16", **asdict(self), "skip": list(self.skip)}
+        return {"scheme": self.scheme, **asdict(self), "skip": list(self.skip)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Int4Config":
+        scheme = d.get("scheme", "w4a16")
         d = {k: v for k, v in d.items() if k != "scheme"}
+        d.setdefault("activations", "int8" if scheme == "w4a8" else "float")  # older configs: from the scheme
         return cls(**{**d, "skip": tuple(d.get("skip", ()))})
 
 
@@ -324,7 +326,7 @@ def awq_(model: nn.Module, config: Int4Config, data, forward_fn: Callable, show_
     inputs = _collect_inputs(model, names, data, forward_fn, config.max_tokens, show_progress)
     c = model.config
     group = c.num_heads // c.num_kv_heads
-    fmt = Int4Format(config.group_size, config.symmetric)
+    fmt = Int4Format(config.group_size, config.symmetric, config.activations)
 
     def share_o(s: torch.Tensor) -> torch.Tensor:  # o_proj's channel (head h, dim d) folds into V of head h // group
         per_kv = s.reshape(c.num_kv_heads, group, c.head_dim).mean(dim=1)
@@ -362,7 +364,7 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
     if config.uses_calibration and not data:
         raise FivefoldError(f"{config.method.upper()} needs calibration data")
     result = Int4Result(config)
-    fmt = Int4Format(config.group_size, config.symmetric)
+    fmt = Int4Format(config.group_size, config.symmetric, config.activations)
     samples: dict[str, torch.Tensor] = {}
     if config.method == "awq":
         samples = awq_(model, config, data, forward_fn, show_progress, result)
@@ -380,7 +382,7 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
                 if config.method == "awq" and config.awq_clip and name in samples:
                     w = awq_clip_search(w, samples[name][:CLIP_TOKENS], fmt)
                 qz = quantize_int4(w, fmt)
-            replace_module(model, name, Int4Linear.from_quantized(qz, getattr(module, "bias", None)))
+            replace_module(model, name, Int4Linear.from_quantized(qz, getattr(module, "bias", None), fmt.activations))
             result.quantized.append(name)
             bar.advance(task)
     if head is not None:

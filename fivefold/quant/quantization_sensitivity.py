@@ -129,7 +129,7 @@ def int4_sensitivity_scan(model: nn.Module, config, metric_fn: Callable[[nn.Modu
     from fivefold.models.int4_linear import Int4Format, Int4Linear
     from fivefold.quant.int4 import _targets
 
-    fmt = Int4Format(config.group_size, config.symmetric)
+    fmt = Int4Format(config.group_size, config.symmetric, config.activations)
     targets, _ = _targets(model, config)
     base = metric_fn(model)
     out = []

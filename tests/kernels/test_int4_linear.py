@@ -1,8 +1,12 @@
 """fivefold::int4_linear, the 4-bit streaming linear: against a float64 reference of the dequantized
 weights for every row count (the row groups and their remainder), group size (including a short
 last group), symmetric and asymmetric codes, and N not a multiple of the channel tile; the
-layouts round-trip exactly; bad operands are refused in one line. Runs on the forced-AVX2 leg too
-(Makefile ISA_TESTS), where a step is 16 columns instead of 32."""
+layouts round-trip exactly; bad operands are refused in one line. With int8 activations (W4A8):
+the kernel quantizes rows to the same bytes as quantize_activations, computes what the float64
+reference computes on those activations, and sums codes times activations exactly (against int64
+on saturating operands: all-15 codes times -127/127). Runs on the forced-AVX2 leg too (Makefile
+ISA_TESTS), where a step is 16 columns instead of 32 and the integer path is vpmaddubsw's, not
+VNNI's."""
 
 import pytest
 import torch
@@ -13,8 +17,10 @@ from fivefold.models.int4_linear import (
     Int4Format,
     Int4Linear,
     Int4Quantized,
+    dequantize_activations,
     dequantize_int4,
     pack_nibbles,
+    quantize_activations,
     quantize_int4,
     unpack_nibbles,
 )
@@ -47,6 +53,83 @@ def test_int4_linear_matches_float64(rows, n, k, group, symmetric):
     ref = x.double() @ dequantize_int4(q, scale, offset, group).double().t() + bias.double()
     assert y.shape == (rows, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_activations_match_float64_on_the_quantized_rows(rows, n, k, group, symmetric):
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k + group + symmetric + 1)
+    q, scale, offset = _codes(n, k, group, symmetric, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(k, generator=gen) * 4  # uneven blocks
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    w, s = ops.int4_pack(q), ops.int4_pack_groups(scale, True)
+    o = None if offset is None else ops.int4_pack_groups(offset, True)
+    xq, xs = quantize_activations(x)
+    ref = dequantize_activations(xq, xs).double() @ dequantize_int4(q, scale, offset, group).double().t() + bias.double()
+    y = ops.int4_linear(x, w, s, o, bias, True)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(ops.int4_linear_int8(xq, xs, w, s, o, bias).double(), ref, rtol=1e-5,
+                               atol=1e-5 * k ** 0.5)
+
+
+def test_kernel_quantizes_rows_to_the_reference_bytes():
+    """With identity codes (scale 1, offset 0) the W4A8 product is the dequantized activations
+    themselves: every code and scale the kernel chose, compared exactly (ties to even included)."""
+    ops = int4_ops()
+    k = 256
+    eye = torch.eye(k, dtype=torch.uint8)
+    w = ops.int4_pack(eye)
+    ones = ops.int4_pack_groups(torch.ones(k, k // 32, dtype=torch.float16), True)
+    zeros = ops.int4_pack_groups(torch.zeros(k, k // 32, dtype=torch.float16), True)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, k, generator=gen) * 3
+    x[1, :32] = torch.arange(32) - 15.5  # halves: x / scale lands on .5 for some, ties to even
+    x[2, :32] = 127 * torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5] * 6 + [127.0, -127.0]) / 127
+    y = ops.int4_linear(x, w, ones, zeros, None, True)
+    assert torch.equal(y, dequantize_activations(*quantize_activations(x)))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_integer_sums_are_exact_on_saturating_operands(symmetric):
+    """Codes 15 (and 0) against activations -127 and 127, scales 1: every output is the int64 dot
+    product exactly (K = 4096: sums up to 7.8e6, integers float32 holds). On AVX2, vpmaddubsw adds
+    pairs of u8 x s8 products into int16 with saturation: 15 x 127 x 2 per pair, four pairs per
+    block summed before widening, stay under 32767, which these operands reach the closest to."""
+    ops = int4_ops()
+    n, k = 37, 4096
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    q[1::3, ::2] = 0
+    q[2::5] = torch.randint(0, 16, (len(range(2, n, 5)), k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    xq = torch.full((6, k), -127, dtype=torch.int8)
+    xq[1] = 127
+    xq[2, ::2] = 127
+    xq[3] = torch.randint(-127, 128, (k,), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    xq[4, ::4] = 0
+    xq[5, 5::7] = 127
+    scale = ops.int4_pack_groups(torch.ones(n, k // 32, dtype=torch.float16), True)
+    offset = None if symmetric else ops.int4_pack_groups(torch.zeros(n, k // 32, dtype=torch.float16), True)
+    y = ops.int4_linear_int8(xq, torch.ones(6, k // 32), ops.int4_pack(q), scale, offset, None)
+    want = xq.long() @ (q.long() - (8 if symmetric else 0)).t()
+    assert bool((want.abs() < 2 ** 24).all())
+    assert torch.equal(y.double(), want.double())
+
+
+def test_int8_activations_refuse_what_they_cannot_take():
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(4)
+    q, scale, _ = _codes(8, 64, 32, True, gen)
+    w, s = ops.int4_pack(q), ops.int4_pack_groups(scale, True)
+    with pytest.raises(RuntimeError, match="xq must be int8"):
+        ops.int4_linear_int8(torch.zeros(2, 64), torch.ones(2, 2), w, s, None, None)
+    with pytest.raises(RuntimeError, match="d must be float32"):
+        ops.int4_linear_int8(torch.zeros(2, 64, dtype=torch.int8), torch.ones(2, 3), w, s, None, None)
+    with pytest.raises(FivefoldError, match="multiple of 32, got 48"):
+        quantize_activations(torch.randn(2, 48))
+    with pytest.raises(FivefoldError, match="activations must be one of float, int8"):
+        Int4Format(activations="int4")
 
 
 def test_dequantize_matches_the_formula_elementwise():
@@ -115,22 +198,26 @@ def test_rtn_error_is_within_half_a_step(symmetric, group):
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 200])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_module_matches_its_dequantized_weight(rows, symmetric):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_int4_module_matches_its_dequantized_weight(rows, symmetric, activations):
     """The streaming kernel (up to 64 rows) and the dequantized-tile GEMM (above) both compute
-    x @ dequantized(W).T + b; the state dict is the checkpoint form and loads back exactly."""
+    x @ dequantized(W).T + b (x as int8 activations see it, with int8 activations); the state dict
+    is the checkpoint form and loads back exactly."""
     gen = torch.Generator().manual_seed(rows + 7 * symmetric)
     linear = torch.nn.Linear(576, 4101 + 3, bias=True)  # N not a multiple of the tile or of DEQUANT_TILE
     with torch.no_grad():
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) / 20)
-    module = Int4Linear.from_float(linear, Int4Format(group_size=128, symmetric=symmetric))
-    assert module.kernel == "fivefold-w4a16" and module.qweight is None  # one copy: the kernel's layout
+    module = Int4Linear.from_float(linear, Int4Format(group_size=128, symmetric=symmetric, activations=activations))
+    scheme = "w4a8" if activations == "int8" else "w4a16"
+    assert module.kernel == f"fivefold-{scheme}" and module.qweight is None  # one copy: the kernel's layout
     x = torch.randn(rows, 576, generator=gen)
-    ref = x.double() @ module.dequantized_weight().double().t() + linear.bias.double()
+    xin = dequantize_activations(*quantize_activations(x)) if activations == "int8" else x
+    ref = xin.double() @ module.dequantized_weight().double().t() + linear.bias.double()
     torch.testing.assert_close(module(x).double(), ref, rtol=1e-4, atol=1e-3)
     state = module.state_dict()
     assert state["qweight"].shape == (4104, 288) and state["scale"].dtype == torch.float16
     assert ("offset" in state) != symmetric
-    again = Int4Linear(576, 4104, True, Int4Format(group_size=128, symmetric=symmetric))
+    again = Int4Linear(576, 4104, True, Int4Format(group_size=128, symmetric=symmetric, activations=activations))
     again.load_state_dict(state)
     assert torch.equal(again.dequantized_weight(), module.dequantized_weight())
     assert torch.equal(again(x), module(x))

@@ -69,13 +69,19 @@ def test_decode_steps_match_transformers_and_the_python_loop(arch, layout, tmp_p
             seq.num_computed_tokens += 1
 
 
-def test_w8a16_decode_loop_matches_the_python_loop(tmp_path):
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w4a8"])
+def test_quantized_decode_loop_matches_the_python_loop(scheme, tmp_path):
+    """W8A16, and 4-bit weights with float or int8 activations (the loop passes the choice to
+    fivefold::int4_linear: with the wrong one the logits differ by far more than the tolerance)."""
     from fivefold.quant.config import Int8Config
     from fivefold.quant.quantize import quantize_
 
     save_random_hf_model("llama", tmp_path)
-    loaded = load_model(str(tmp_path))
-    quantize_(loaded.model, Int8Config(scheme="w8a16"))
+    if scheme == "w8a16":
+        loaded = load_model(str(tmp_path))
+        quantize_(loaded.model, Int8Config(scheme="w8a16"))
+    else:
+        loaded = load_model(str(tmp_path), quantization=scheme)
     runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20))
     assert runner.native_decoder is not None
     seqs = [Sequence("a", list(range(3, 20)), SamplingParams()), Sequence("b", list(range(40, 51)), SamplingParams())]
@@ -96,6 +102,9 @@ def test_w8a16_decode_loop_matches_the_python_loop(tmp_path):
         c.copy_(before)
     native = _decode_logits(loaded, runner, step, native=True)
     torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
+    if scheme == "w4a16":  # one model with both activation kinds keeps the Python loop
+        next(m for m in loaded.model.modules() if hasattr(m, "set_activations_")).set_activations_("int8")
+        assert "float and int8 activations" in NativeDecoder.unsupported_reason(loaded.model)
 
 
 def test_models_the_loop_cannot_run_keep_the_python_loop(tmp_path):
