@@ -68,7 +68,7 @@ PROMPT_LEN = 128
 KV_CACHE_GIB = 4
 WORKLOADS = {"single": (1, 64), "batch16": (16, 64), "batch64": (64, 128)}
 FIVEFOLD = ("fivefold-float32", "fivefold-float32-kv8", "fivefold-bfloat16", "fivefold-w8a16", "fivefold-w8a8",
-            "fivefold-w4a16", "fivefold-q4_1")
+            "fivefold-w4a16", "fivefold-w4a8", "fivefold-q4_1")
 # A system name's "-kv8" suffix: the same weights with kv_cache_dtype="int8" (a quality trade: not the
 # float32 defaults that the ratios compare, shown beside them).
 KV8_SUFFIX = "-kv8"
@@ -102,12 +102,15 @@ def load_fivefold(system: str):
     from fivefold.quant.quantize import quantize_
 
     variant = system.removeprefix("fivefold-").removesuffix(KV8_SUFFIX)
-    if variant in ("w4a16", "q4_1"):  # 4-bit: quantized on load (RTN, g128), or the GGUF's Q4_1 blocks as they are
+    if variant in ("w4a16", "w4a8", "q4_1"):
+        # 4-bit: quantized on load (RTN, g128) times float or int8 activations, or the GGUF's Q4_1
+        # blocks as they are (times int8 activations, as llama.cpp)
         from fivefold.models.layers import resident_weight_bytes
 
-        loaded = load_model(DEFAULT_LLM, quantization="w4a16" if variant == "w4a16" else "gguf")
-        embedding = loaded.model.embed_tokens.weight
-        return loaded, resident_weight_bytes(loaded.model) - embedding.numel() * embedding.element_size(), "float32"
+        loaded = load_model(DEFAULT_LLM, quantization="gguf" if variant == "q4_1" else variant)
+        arithmetic = "float32" if variant == "w4a16" else "int8"
+        # a token's weights: all but the embedding table (none of its own when served from the head's blocks)
+        return loaded, resident_weight_bytes(loaded.model) - resident_weight_bytes(loaded.model.embed_tokens), arithmetic
     if variant in ("float32", "bfloat16"):
         loaded = load_model(DEFAULT_LLM, variant)
         return loaded, loaded.config.num_parameters() * loaded.model.dtype.itemsize, variant

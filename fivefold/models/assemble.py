@@ -26,7 +26,7 @@ from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
 from fivefold.models.int4_linear import Int4Format, Int4Linear, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
-from fivefold.models.layers import PackedLinear, RotaryEmbedding
+from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, RotaryEmbedding
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.platform import release_free_heap
 
@@ -170,6 +170,8 @@ class _Assembler:
         if isinstance(tensor, (GroupQuantized, Int4Quantized)):  # an embedding or a norm stored quantized: looked up as float
             if name == "embed_tokens.weight" and self.config.is_tied_embeddings:
                 self.tied_source = tensor
+                if self.form.quantization == AS_STORED:  # served from the head's blocks (see _tie): no float table
+                    return
             tensor = tensor.dequantize(self.form.dtype)
         elif name == "embed_tokens.weight":
             self.tied_source = tensor
@@ -226,10 +228,16 @@ class _Assembler:
         """The LM head of a tied model: the embedding's weight, in the head's served form. Dense (or
         packed with one copy, where the packed layout cannot be looked up by row), the head shares
         the embedding's tensor; int8 (quantized, or Q8_0) and packed with the streaming copy, it has
-        its own copy in the kernel's layout."""
+        its own copy in the kernel's layout. A GGUF served as stored (``quantization="gguf"``) with
+        a quantized table: the head holds its blocks and the embedding looks rows up in them
+        (HeadRowsEmbedding), one copy."""
         source, form = self.tied_source, self.form
         embedding = self.model.embed_tokens.weight
-        if isinstance(source, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD:
+        if isinstance(source, (GroupQuantized, Int4Quantized)) and form.quantization == AS_STORED:
+            # served as stored: the head holds the table in its blocks and the embedding reads its rows
+            self.model.lm_head = self._linear(source, None, head=True)
+            self.model.embed_tokens = HeadRowsEmbedding(self.model.lm_head, form.dtype)
+        elif isinstance(source, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD:
             self.model.lm_head = self._linear(source, None, head=True)
         elif form.weight_layout == "packed" and form.stream_copy and PackedLinear.can_pack(embedding.dtype):
             self.model.lm_head = PackedLinear.from_weight(embedding.detach(), None, stream_copy=True)

@@ -49,6 +49,7 @@ ACT_BLOCK = 32  # columns per activation scale with int8 activations (llama.cpp'
 COLUMN_MULTIPLE = 32  # K must be a multiple of it: one byte vector of the kernel on AVX-512
 SMALL_BATCH = 64  # rows up to which the streaming kernel runs
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger batches (a multiple of 4)
+KERNEL_TILE = 4  # output channels per tile of the kernel's layout (int4_linear.cpp's kChannels)
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,22 @@ class Int4Linear(nn.Module):
         ops = int4_ops()
         offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"], False)
         return ops.int4_unpack(p["w"]), ops.int4_pack_groups(p["scale"], False), offset
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight, float32 [len(ids), K] (a tied embedding's lookups:
+        HeadRowsEmbedding), read from the one copy held."""
+        from fivefold.models.layers import gather_tile_rows
+
+        p = self._prepared
+        if p is None:
+            q, scale, offset = unpack_nibbles(self.qweight[ids]), self.scale[ids], None if self.offset is None else self.offset[ids]
+        else:
+            ops = int4_ops()
+            q = gather_tile_rows(p["w"], ids, KERNEL_TILE, ops.int4_unpack)
+            scale = gather_tile_rows(p["scale"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
+            offset = None if p["offset"] is None else gather_tile_rows(
+                p["offset"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
+        return dequantize_int4(q, scale, offset, self.format.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         q, scale, offset = self.codes()

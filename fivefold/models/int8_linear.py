@@ -54,6 +54,7 @@ ACTIVATION_GRANULARITIES = ("per-token", "per-tensor")
 
 SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 batches
+STREAM_TILE = 4  # output channels per tile of fivefold::stream_pack's layout (linear_stream.cpp's kChannels)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,20 @@ class Int8Linear(nn.Module):
         if self._buffers["weight"] is not None:
             return self.weight
         return int8_ops().stream_unpack(self._prepared["stream"])[:, :self.in_features].contiguous()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight, float32 [len(ids), K] (a tied embedding's lookups:
+        HeadRowsEmbedding), read from the one copy held."""
+        from fivefold.models.layers import gather_tile_rows
+
+        if self._buffers["weight"] is not None:
+            q = self.weight[ids]
+        else:
+            stream = self._prepared["stream"]
+            q = gather_tile_rows(stream, ids, STREAM_TILE, int8_ops().stream_unpack)[:, :self.in_features]
+        scale = self.weight_scale[ids]
+        scale = scale[:, None] if self.group_size is None else scale.repeat_interleave(self.group_size, dim=1)
+        return q.float() * scale
 
     def pack_(self) -> "Int8Linear":
         """Derive the kernel's operands now (the loader calls it so that a tensor's row-major copy is

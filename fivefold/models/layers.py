@@ -260,6 +260,53 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def gather_tile_rows(packed: torch.Tensor, ids: torch.Tensor, tile: int, unpack) -> torch.Tensor:
+    """Rows ``ids`` of a weight held in a tile-major kernel layout (tiles of ``tile`` channels, a
+    slice of whole tiles still in the layout), each tile that holds one unpacked once by ``unpack``."""
+    n = packed.shape[0]
+    tiles = torch.div(ids, tile, rounding_mode="floor")
+    out = None
+    for t in torch.unique(tiles).tolist():
+        lo = t * tile
+        block = unpack(packed[lo:min(lo + tile, n)])
+        if out is None:
+            out = torch.empty(len(ids), *block.shape[1:], dtype=block.dtype)
+        where = (tiles == t).nonzero().flatten()
+        out[where] = block[ids[where] - lo]
+    return out if out is not None else torch.empty(0, 0)
+
+
+class HeadRowsEmbedding(nn.Module):
+    """The token embedding of a tied model served from a GGUF's quantized blocks: each token's row is
+    read from the LM head's weight (the same table) and dequantized, so the table is held once, in
+    its blocks, instead of once more in float (8B with a Q8_0 table: 0.8 GB of float32 saved). The
+    head owns the weight (it is not a submodule here); ``head.rows(ids)`` returns the float rows.
+    The values are exactly those of the dequantized table."""
+
+    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # a reference, not a submodule: one owner (lm_head), one state-dict entry
+        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (a new tensor: for export and inspection, not for serving)."""
+        return self._head[0].rows(torch.arange(self.num_embeddings)).to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = self._head[0].rows(flat).to(self.dtype)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.weight  # a checkpoint holds the table itself
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the LM head's quantized weight"
+
+
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """An nn.Linear holding copies of ``weight`` [out, in] and ``bias`` [out] (same dtype): the
     rebuilt layer of a pass that merges, slices or pads weights."""

@@ -95,7 +95,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        embed = self.embed_tokens
+        return embed.dtype if hasattr(embed, "dtype") else embed.weight.dtype  # HeadRowsEmbedding holds no table
 
     def forward(
         self,

@@ -23,7 +23,7 @@ from fivefold.models.forward import prefill_logits
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from fivefold.models.int4_linear import Int4Linear, Int4Quantized, dequantize_activations, quantize_activations
 from fivefold.models.int8_linear import Int8Linear
-from fivefold.models.layers import resident_weight_bytes
+from fivefold.models.layers import HeadRowsEmbedding, resident_weight_bytes
 from fivefold.models.registry import BUILTIN_MODELS, DEFAULT_LLM
 from tests.conftest import save_random_hf_model
 from tests.models.test_gguf import HEADS, HIDDEN, INTER, write_tiny_gguf
@@ -125,6 +125,32 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     # 4-bit codes and float16 scales: well under a third of the float32 model's bytes
     assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 3
+
+
+@pytest.mark.parametrize("table", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tied_table_is_held_once_and_looked_up_in_the_heads_blocks(table, tmp_path):
+    """A GGUF served as stored with a quantized, tied token table: the LM head holds the blocks and
+    the embedding reads each token's row from them (no float copy), exactly the dequantized table's
+    values, for ids in any tile of the kernels' layouts; the engine's bytes drop by the float table."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_0"), "token_embd.weight": table})
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
+    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    embed = served.embed_tokens
+    assert isinstance(embed, HeadRowsEmbedding) and served.dtype == torch.float32
+    assert isinstance(served.lm_head, Int4Linear if table != "Q8_0" else Int8Linear)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [config.vocab_size - 1, config.vocab_size - 2, 7, 7, 0, 13]])
+    with torch.inference_mode():
+        assert torch.equal(embed(ids), reference.embed_tokens(ids))
+        assert torch.equal(embed.weight, reference.embed_tokens.weight)
+    assert "embed_tokens.weight" in served.state_dict()  # a checkpoint still holds the table
+    with pytest.raises(IndexError, match="out of range"):
+        embed(torch.tensor([config.vocab_size]))
+    assert resident_weight_bytes(embed) == 0 and resident_weight_bytes(served.lm_head) > 0
 
 
 def test_builtin_q4_1_model_served_as_it_is():
