@@ -15,9 +15,10 @@ tied embedding Q8_0 in both). Random weights are fine for speed and memory; qual
 the built-in model.
 
 Forms (FORM:DTYPE): the bf16 directory served in float32 or bfloat16, or quantized while loading
-(``w8a16``, ``w4a16``: RTN, groups of 128 with a minimum, the tied head W8A16); the Q8_0 file
-(float32 activations, Q8_0 served int8 as it is); the Q4_0 file served as it is (``gguf``: its
-blocks on the int4 kernel). llama.cpp runs each GGUF file; every fivefold form is compared with
+(``w8a16``, ``w4a16``: RTN, groups of 128 with a minimum, the tied head W8A16; ``w4a8``: the same
+4-bit weights times int8 activations); the Q8_0 file (float32 activations, Q8_0 served int8 as it
+is); the Q4_0 file served as it is (``gguf``: its blocks on the int4 kernel times int8 activations,
+the tied table held once in the head's Q8_0 blocks). llama.cpp runs each GGUF file; every fivefold form is compared with
 llama.cpp on the file of its precision (4-bit forms with Q4_0, the others with Q8_0).
 
 Each measurement runs in a fresh process (so that one run's memory cannot count for another):
@@ -53,10 +54,11 @@ SHAPES = {  # hidden, layers, MLP, heads, KV heads
 }
 VOCAB = 49152
 # FORM:DTYPE, or FORM:w8a16 / FORM:w4a16 (float32 activations, int8 or 4-bit weights quantized while
-# loading), or FORM:gguf (a GGUF's 4-bit blocks served as they are). The GGUF's Q8_0 tensors are
-# served int8 with their block scales whatever the dtype (float32 activations).
+# loading), FORM:w4a8 (the 4-bit weights times int8 activations), or FORM:gguf (a GGUF's 4-bit blocks
+# served as they are, times int8 activations as llama.cpp). The GGUF's Q8_0 tensors are served int8
+# with their block scales whatever the dtype (float32 activations).
 FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32", "bf16-dir:w4a16",
-         "gguf-q4_0:gguf")
+         "bf16-dir:w4a8", "gguf-q4_0:gguf")
 GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0"}
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
 KV_CACHE_BYTES = 512 << 20
@@ -240,7 +242,7 @@ def peak_rss():
             return int(line.split()[1]) * 1024
 path, dtype, prompt_len, new_tokens, batches, kv_bytes = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), json.loads(sys.argv[5]), int(sys.argv[6])
 quantization = None
-if dtype in ("w8a16", "w4a16", "gguf"):
+if dtype in ("w8a16", "w4a16", "w4a8", "gguf"):
     dtype, quantization = "float32", dtype
 from fivefold.llm import LLM
 from fivefold.sampling_params import SamplingParams
@@ -367,7 +369,7 @@ def main() -> int:
             if r["form"].startswith("gguf"):  # issue 37's bound for a GGUF: 1.15 x its file + KV pool + 1 GiB
                 r["file_rss_bound"] = 1.15 * r["file_bytes"] + r["kv_cache_bytes"] + (1 << 30)
                 bound += f" (file: {'ok' if r['peak_rss'] <= r['file_rss_bound'] else 'over'})"
-        four_bit = "q4" in r["form"] or "w4a16" in r["form"]
+        four_bit = "q4" in r["form"] or "w4a" in r["form"]
         ref = llamacpp_b1.get((r["shape"], "gguf-q4_0" if four_bit else "gguf-q8_0"))
         b8 = r.get("decode_tok_s_batch8")
         rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), f"{r['load_s']:.1f}",

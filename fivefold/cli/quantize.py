@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     qz.add_argument("--no-baseline", action="store_true",
                     help="skip the float model's measurements (an 8B's float baseline takes longer than quantizing it)")
     qz.add_argument("--out", required=True, help="output model directory")
+    qz.add_argument("--format", default="dir", choices=["dir", "gguf"],
+                    help="gguf: also write <out>/model.gguf that llama.cpp loads (4-bit layers as their Q4_0/Q4_1 "
+                         "blocks, 8-bit ones and the rest as Q8_0; a GGUF source only; not w8a8)")
 
 
 def _fraction(text: str, flag: str) -> float:
@@ -70,6 +73,7 @@ def run(args) -> int:
                             smoothquant_alpha=args.smoothquant, skip=tuple(args.skip))
     job = QuantizeJob(args.model, config, args.out, args.mixed_precision,
                       _fraction(args.max_ppl_increase, "--max-ppl-increase"), args.max_accuracy_drop,
-                      args.num_calibration, args.num_eval, args.window, baseline=not args.no_baseline)
+                      args.num_calibration, args.num_eval, args.window, baseline=not args.no_baseline,
+                      format=args.format)
     run_quantize(job)
     return 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.errors import FivefoldError
 from fivefold.eval.language import decode_speed, language_metrics, next_token_accuracy, perplexity, served_model
 from fivefold.eval.text import text_windows
 from fivefold.models.forward import llm_forward
@@ -67,6 +68,33 @@ class QuantizeJob:
     speed_batches: tuple[int, ...] = (1, 32)
     speed_tokens: int = 48
     baseline: bool = True  # measure the float model too (False: the quantized one only)
+    format: str = "dir"  # "gguf": also write <out>/model.gguf for llama.cpp (see check_gguf_export)
+
+    def __post_init__(self) -> None:
+        if self.format not in OUTPUT_FORMATS:
+            raise FivefoldError(f"--format must be one of {', '.join(OUTPUT_FORMATS)}, got '{self.format}'")
+        if self.format == "gguf":
+            check_gguf_export(self.model, self.config)
+
+
+OUTPUT_FORMATS = ("dir", "gguf")
+
+
+def check_gguf_export(model: str, config) -> None:
+    """Refuse before any work what a GGUF file cannot hold: W8A8 (llama.cpp has no activation
+    scales to read) and a source that is not a GGUF file (its tokenizer would need llama.cpp's
+    converter). 4-bit layers are written as the Q4_0 (symmetric) or Q4_1 blocks they are, W8A16
+    layers and everything else quantized as Q8_0 (fivefold.models.gguf_export)."""
+    from fivefold.models.loader import find_checkpoint
+    from fivefold.models.registry import resolve_model_path
+
+    scheme = config.to_dict().get("scheme")
+    if scheme == "w8a8":
+        raise FivefoldError("--format gguf writes weights only (Q4_0/Q4_1/Q8_0): use --scheme w8a16, w4a16 or w4a8")
+    fmt, _ = find_checkpoint(resolve_model_path(model))
+    if fmt != "gguf":
+        raise FivefoldError(f"--format gguf copies the tokenizer of a GGUF source; {model} is a {fmt} checkpoint "
+                            f"(convert it with llama.cpp's convert_hf_to_gguf.py)")
 
 
 def evaluate(loaded, eval_windows, job: QuantizeJob) -> dict[str, Any]:
@@ -237,13 +265,19 @@ def run_quantize(job: QuantizeJob, console=None) -> dict[str, Any]:
     # with 4-bit weights, mixed precision keeps the most sensitive layers at 8 bits (not float)
     kept_key = "kept_8bit" if isinstance(config, Int4Config) else "kept_float"
     save_quantized(loaded, config.to_dict(), modules, out, extra={kept_key: kept})
+    gguf_path = None
+    if job.format == "gguf":
+        from fivefold.models.gguf_export import export_gguf
+
+        gguf_path = str(export_gguf(loaded, out / "model.gguf", qtype="Q8_0"))
+        console.print(f"GGUF for llama.cpp: {gguf_path}")
     del loaded  # written: the reloaded model is the one measured (an 8B held twice would double the peak)
     reloaded = load_model(str(out))  # measure what was written, as `generate` and `serve` will run it
     quantized = evaluate(reloaded, eval_windows, job)
     report = {"model": job.model, "config": config.to_dict(), "label": config.label, "out": str(out),
               "num_int8_modules": len(modules), "kernels": kernels_used(reloaded.model),
               "platform": current_platform().describe(), kept_key: kept, "bits_per_weight": bits,
-              "quantize_s": quantize_s,
+              "quantize_s": quantize_s, **({"gguf": gguf_path} if gguf_path else {}),
               "float": baseline, "float_dtype": baseline_dtype, "int8": quantized}
     if baseline is not None:
         report["perplexity_increase"] = quantized["perplexity"] / baseline["perplexity"] - 1

@@ -284,39 +284,50 @@ struct BlockCodes {
   }
 };
 
-// sum over the block of q * xq, kLanes int32 partial sums per channel (xq: the row's 32 bytes).
+// init + the sum over the block of q * xq, kLanes int32 partial sums per channel (xq: the row's 32
+// bytes; init: a starting value per lane, see tile_a8).
 template <int C>
-inline IVec block_dot(const BlockCodes<C>& b, const int8_t* xq) {
+inline IVec block_dot(const BlockCodes<C>& b, const int8_t* xq, IVec init) {
 #if defined(__AVX512F__)
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), b.lo[0], xbroadcast(xq)), b.hi[0],
-                             xbroadcast(xq + kWidth));
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, b.lo[0], xbroadcast(xq)), b.hi[0], xbroadcast(xq + kWidth));
 #else
   const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(b.lo[0], xbroadcast(xq)),
                                          _mm512_maddubs_epi16(b.hi[0], xbroadcast(xq + kWidth)));
-  return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+  return _mm512_add_epi32(init, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 #else
   __m256i pairs = _mm256_maddubs_epi16(b.lo[0], xbroadcast(xq));
   pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.hi[0], xbroadcast(xq + kWidth)));
   pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.lo[1], xbroadcast(xq + 2 * kWidth)));
   pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.hi[1], xbroadcast(xq + 3 * kWidth)));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(init, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
+
+#if defined(__AVX512F__)
+inline IVec iset1(int32_t v) { return _mm512_set1_epi32(v); }
+#else
+inline IVec iset1(int32_t v) { return _mm256_set1_epi32(v); }
+#endif
 #endif
 
 // The quantized activations of a call.
 struct Int8Rows {
-  const int8_t* xq;   // [M, K]
-  const float* d;     // [M, K / kBlock]: each block's scale
-  const float* xsum;  // [M, groups]: each group's sum of the dequantized row, divided by kLanes
+  const int8_t* xq;    // [M, K]
+  const float* d;      // [M, K / kBlock]: each block's scale
+  const int32_t* qsum; // [M, K / kBlock]: each block's sum of codes
+  const float* xsum;   // [M, groups]: each group's sum of the dequantized row, divided by kLanes
   int64_t K, blocks, groups;
 };
 
 #if defined(FIVEFOLD_A8)
-// R rows (from row m) x C channels starting at channel n.
-template <int R, int C>
+// R rows (from row m) x C channels starting at channel n. Symmetric codes (w = s (q - 8)): the
+// -8 is folded into each block's integer sum, sum q xq - 8 sum xq, by starting each of a channel's
+// kLanes lanes at -8 / kLanes times the block's code sum (exact: kLanes is 4 or 2), so the group
+// needs no offset term: at groups of 32 (GGUF Q4_0) the offset's conversion, spread and FMA per
+// block were a third of the work.
+template <int R, int C, bool Symmetric>
 inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st, int64_t n, float* y, int64_t N,
                     const Operands& o) {
   Vec acc[R];
@@ -326,20 +337,27 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
   int64_t blk = 0;
   for (int64_t grp = 0; grp < o.groups; ++grp) {
     float sc[kChannels] = {}, of[kChannels] = {};
-    group_params<C>(o, st, grp, sc, of);
+    halves_to_floats<C>(o.scale + st + grp * C, sc);
+    if constexpr (!Symmetric) halves_to_floats<C>(o.offset + st + grp * C, of);
     Vec part[R];
     for (int r = 0; r < R; ++r) part[r] = vzero();
     for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kStepsPerBlock) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       const BlockCodes<C> codes(p);
       for (int r = 0; r < R; ++r) {
-        const int64_t row = m + r;
-        const Vec sum = to_float(block_dot(codes, a.xq + row * a.K + blk * kBlock));
-        part[r] = vfma(sum, vset1(a.d[row * a.blocks + blk]), part[r]);
+        const int64_t at = (m + r) * a.blocks + blk;
+        const IVec init = Symmetric ? iset1(-(8 / kLanes) * a.qsum[at]) : iset1(0);
+        const Vec sum = to_float(block_dot(codes, a.xq + (m + r) * a.K + blk * kBlock, init));
+        part[r] = vfma(sum, vset1(a.d[at]), part[r]);
       }
     }
-    const Vec scv = spread(sc), ofv = spread(of);
-    for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
+    const Vec scv = spread(sc);
+    if constexpr (Symmetric) {
+      for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
+    } else {
+      const Vec ofv = spread(of);
+      for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
+    }
   }
   for (int r = 0; r < R; ++r) {
     alignas(64) float lanes[kWidth];
@@ -352,18 +370,25 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
   }
 }
 
+template <int C, bool Symmetric>
+inline void rows_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, float* y, int64_t N,
+                    const Operands& o) {
+  const int64_t st = n * o.groups;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile_a8<kRows, C, Symmetric>(a, m, wt, st, n, y, N, o);
+  switch (M - m) {
+    case 3: tile_a8<3, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
+    case 2: tile_a8<2, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
+    case 1: tile_a8<1, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
+    default: break;
+  }
+}
+
 template <int C>
 inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, float* y, int64_t N,
                         const Operands& o) {
-  const int64_t st = n * o.groups;
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile_a8<kRows, C>(a, m, wt, st, n, y, N, o);
-  switch (M - m) {
-    case 3: tile_a8<3, C>(a, m, wt, st, n, y, N, o); break;
-    case 2: tile_a8<2, C>(a, m, wt, st, n, y, N, o); break;
-    case 1: tile_a8<1, C>(a, m, wt, st, n, y, N, o); break;
-    default: break;
-  }
+  if (o.offset) rows_a8<C, false>(a, M, wt, n, y, N, o);
+  else rows_a8<C, true>(a, M, wt, n, y, N, o);
 }
 #endif
 
@@ -424,15 +449,18 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
 }
 #pragma GCC pop_options
 
-// Each row's sum over each group of the dequantized activations, d * q, divided by kLanes (tile_a8
-// adds offset * xsum to each of a channel's kLanes lanes). [M, groups]
-void int8_group_sums(const int8_t* xq, const float* d, int64_t M, int64_t K, int64_t group_cols, float* xsum) {
+// Each row's sum of codes per block, qsum [M, blocks], and over each group of the dequantized
+// activations, d * q, divided by kLanes (tile_a8 adds offset * xsum to each of a channel's kLanes
+// lanes), xsum [M, groups].
+void int8_group_sums(const int8_t* xq, const float* d, int64_t M, int64_t K, int64_t group_cols, int32_t* qsum,
+                     float* xsum) {
   const int64_t blocks = K / kBlock, groups = (K + group_cols - 1) / group_cols;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) xsum[m * groups + g] = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
       int sum = 0;
       for (int64_t j = 0; j < kBlock; ++j) sum += xq[(m * blocks + b) * kBlock + j];
+      qsum[m * blocks + b] = sum;
       xsum[m * groups + b * kBlock / group_cols] += d[m * blocks + b] * static_cast<float>(sum) / kLanes;
     }
   }
@@ -561,9 +589,12 @@ torch::Tensor run_int8(const torch::Tensor& xq, const torch::Tensor& d, const to
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
 #if defined(FIVEFOLD_A8)
   auto xsum = torch::empty({M, o.groups}, d.options());
-  int8_group_sums(xq.data_ptr<int8_t>(), d.data_ptr<float>(), M, K, group_cols, xsum.data_ptr<float>());
+  auto qsum = torch::empty({M, K / kBlock}, d.options().dtype(torch::kInt32));
+  int8_group_sums(xq.data_ptr<int8_t>(), d.data_ptr<float>(), M, K, group_cols, qsum.data_ptr<int32_t>(),
+                  xsum.data_ptr<float>());
   auto y = torch::empty({M, N}, d.options());
-  const Int8Rows a{xq.data_ptr<int8_t>(), d.data_ptr<float>(), xsum.data_ptr<float>(), K, K / kBlock, o.groups};
+  const Int8Rows a{xq.data_ptr<int8_t>(), d.data_ptr<float>(), qsum.data_ptr<int32_t>(), xsum.data_ptr<float>(), K,
+                   K / kBlock, o.groups};
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   for_each_tile(N, K, [&](auto c, int64_t byte0, int64_t n) { channels_a8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, o); });
@@ -610,6 +641,39 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   return out_dtype == torch::kFloat32 ? run_float(xf, w, o, group_cols) : run_float(xf, w, o, group_cols).to(out_dtype);
 }
 
+// The weights as float32 [N, K], row-major (float activations at prefill sizes: a tile of channels
+// dequantized here, then a float GEMM); w, scale, offset as int4_linear takes them.
+torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::optional<torch::Tensor>& offset_opt) {
+  check_layout(w, "int4_dequantize");
+  const int64_t N = w.size(0), K = w.size(1) * kStepCols;
+  torch::Tensor offset, bias;
+  int64_t group_cols = 0;
+  const Operands o = checked_operands("int4_dequantize", w, K, scale, offset_opt, c10::nullopt, offset, bias, group_cols);
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for_each_tile(N, K, [&](auto cc, int64_t byte0, int64_t n) {
+    constexpr int C = decltype(cc)::value;
+    const uint8_t* p = wp + byte0;
+    int64_t s = 0;
+    for (int64_t grp = 0; grp < o.groups; ++grp) {
+      float sc[C], of[C];
+      group_params<C>(o, n * o.groups, grp, sc, of);
+      Dequant d[C];
+      for (int c = 0; c < C; ++c) d[c] = Dequant(sc[c], of[c]);
+      for (const int64_t end = std::min(s + o.steps, o.total_steps); s < end; ++s, p += C * kWidth)
+        for (int c = 0; c < C; ++c) {
+          Vec lo, hi;
+          dequant(p + c * kWidth, d[c], lo, hi);
+          float* row = op + (n + c) * K + s * kStepCols;
+          vstore(row, lo);
+          vstore(row + kWidth, hi);
+        }
+    }
+  });
+  return out;
+}
+
 // The W4A8 product of activations already quantized: xq int8 [M, K], d float32 [M, K / 32] (one
 // scale per block of 32 columns); the rest as int4_linear. For tests of the integer sums (d = 1,
 // scale = 1: the result is the int64 dot product exactly) and for callers that quantize once.
@@ -635,6 +699,7 @@ TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("int4_pack_groups(Tensor s, bool to_packed) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor? offset, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.def("int4_linear_int8(Tensor xq, Tensor d, Tensor w, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor");
+  m.def("int4_dequantize(Tensor w, Tensor scale, Tensor? offset) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_pack", &int4_pack);
@@ -642,4 +707,5 @@ TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_pack_groups", &int4_pack_groups);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_linear_int8", &int4_linear_int8);
+  m.impl("int4_dequantize", &int4_dequantize);
 }

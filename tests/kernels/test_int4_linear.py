@@ -132,6 +132,19 @@ def test_int8_activations_refuse_what_they_cannot_take():
         Int4Format(activations="int4")
 
 
+@pytest.mark.parametrize("n,k,group,symmetric", [(64, 576, 32, True), (37, 576, 128, False), (3, 96, 64, False)])
+def test_kernel_dequantizes_to_the_correctly_rounded_weights(n, k, group, symmetric):
+    """fivefold::int4_dequantize (float activations at prefill sizes) writes scale * q + offset
+    rounded once, as an FMA does: equal to the float64 value rounded to float32, every element."""
+    ops = int4_ops()
+    q, scale, offset = _codes(n, k, group, symmetric, torch.Generator().manual_seed(n + k))
+    w = ops.int4_dequantize(ops.int4_pack(q), ops.int4_pack_groups(scale, True),
+                            None if offset is None else ops.int4_pack_groups(offset, True))
+    s = scale.double().repeat_interleave(group, dim=1)[:, :k]
+    o = -8 * s if offset is None else offset.double().repeat_interleave(group, dim=1)[:, :k]
+    assert torch.equal(w, (q.double() * s + o).float())
+
+
 def test_dequantize_matches_the_formula_elementwise():
     """w = scale * q + offset, and scale * (q - 8) when symmetric, group by group (the last short)."""
     gen = torch.Generator().manual_seed(0)

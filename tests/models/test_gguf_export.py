@@ -74,6 +74,40 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         export_gguf(load_model(_builtin(), quantization="gguf"), tmp_path / "x.gguf", "Q5_K")
 
 
+def test_quantize_cli_also_writes_a_gguf_file(tmp_path):
+    """``fivefold quantize --scheme w4a8 --format gguf``: the directory and <out>/model.gguf hold the
+    same 4-bit codes and scales (the GGUF read back block by block equals the directory's layers);
+    what a GGUF cannot hold is refused before any work, in one line."""
+    import sys
+
+    from fivefold.models.int4_linear import Int4Linear
+    from tests.conftest import save_random_hf_model
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fivefold", "quantize", *args], capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path)
+
+    proc = cli("--scheme", "w4a8", "--group-size", "64", "--format", "gguf", "--num-eval", "1", "--window", "32",
+               "--no-baseline", "--out", "q")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert report["gguf"] == str(tmp_path / "q" / "model.gguf") and report["config"]["scheme"] == "w4a8"
+    directory = load_model(str(tmp_path / "q"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from_gguf = load_model(report["gguf"], quantization="gguf")
+    four_bit = {n: m for n, m in directory.model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(four_bit) == 4 * directory.config.num_layers and all(m.int8_activations for m in four_bit.values())
+    for name, module in four_bit.items():
+        assert torch.equal(from_gguf.model.get_submodule(name).dequantized_weight(), module.dequantized_weight()), name
+    w8a8 = cli("--scheme", "w8a8", "--format", "gguf", "--out", "x")
+    assert w8a8.returncode == 1 and "--format gguf writes weights only" in w8a8.stderr
+    save_random_hf_model("llama", tmp_path / "hf")
+    hf = cli("--model", str(tmp_path / "hf"), "--scheme", "w4a16", "--format", "gguf", "--out", "x")
+    assert hf.returncode == 1 and "copies the tokenizer of a GGUF source" in hf.stderr
+    assert not (tmp_path / "x").exists()
+
+
 LLAMACPP_LOGITS = r'''
 import json, sys
 import numpy as np
