@@ -91,11 +91,11 @@ def test_quantize_cli_also_writes_a_gguf_file(tmp_path):
                "--no-baseline", "--out", "q")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "q" / "report.json").read_text())
-    assert report["gguf"] == str(tmp_path / "q" / "model.gguf") and report["config"]["scheme"] == "w4a8"
+    assert report["gguf"] == str(Path("q") / "model.gguf") and report["config"]["scheme"] == "w4a8"
     directory = load_model(str(tmp_path / "q"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from_gguf = load_model(report["gguf"], quantization="gguf")
+        from_gguf = load_model(str(tmp_path / report["gguf"]), quantization="gguf")
     four_bit = {n: m for n, m in directory.model.named_modules() if isinstance(m, Int4Linear)}
     assert len(four_bit) == 4 * directory.config.num_layers and all(m.int8_activations for m in four_bit.values())
     for name, module in four_bit.items():
