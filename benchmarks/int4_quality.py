@@ -99,6 +99,14 @@ def llamacpp_q4_0(loaded_float, windows, window: int, workdir: Path) -> dict:
     raise RuntimeError(f"exit code {proc.returncode}: {' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}")
 
 
+def set_int4_activations(model, activations: str) -> None:
+    from fivefold.models.int4_linear import Int4Linear
+
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.set_activations_(activations)
+
+
 def llm_rows(args, console) -> list[dict]:
     from rich.progress import Progress
 
@@ -119,10 +127,13 @@ def llm_rows(args, console) -> list[dict]:
             quantize_int4_(model, config, calibration if config.uses_calibration else None, llm_forward,
                            show_progress=False)
             seconds = time.perf_counter() - start
-            ppl, acc = language_metrics(model, windows)
-            rows.append({"name": config.label, "method": config.method, "group": config.group_size,
-                         "symmetric": config.symmetric, "bits": bits_per_weight(model), "perplexity": ppl,
-                         "accuracy": acc, "quantize_s": seconds})
+            for activations in args.activations:  # the same 4-bit weights times float or int8 activations
+                set_int4_activations(model, activations)
+                ppl, acc = language_metrics(model, windows)
+                label = config.label.replace("W4A16", "W4A8") if activations == "int8" else config.label
+                rows.append({"name": label, "method": config.method, "group": config.group_size,
+                             "symmetric": config.symmetric, "activations": activations,
+                             "bits": bits_per_weight(model), "perplexity": ppl, "accuracy": acc, "quantize_s": seconds})
             del model
             bar.advance(task)
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,9 +143,12 @@ def llm_rows(args, console) -> list[dict]:
                          "bits": 4.5, "perplexity": peer["perplexity"], "accuracy": peer["next_token_accuracy"],
                          "quantize_s": None})
             served = load_model(peer["path"], quantization="gguf")  # the same file, served by fivefold as it is
-            ppl, acc = language_metrics(served.model, windows)
-            rows.append({"name": "llama.cpp's Q4_0 file, fivefold", "method": "llama.cpp", "group": 32,
-                         "symmetric": True, "bits": 4.5, "perplexity": ppl, "accuracy": acc, "quantize_s": None})
+            for activations in args.activations:
+                set_int4_activations(served.model, activations)
+                ppl, acc = language_metrics(served.model, windows)
+                rows.append({"name": f"llama.cpp's Q4_0 file, fivefold ({activations} activations)",
+                             "method": "llama.cpp", "group": 32, "symmetric": True, "activations": activations,
+                             "bits": 4.5, "perplexity": ppl, "accuracy": acc, "quantize_s": None})
         except Exception as exc:  # a missing peer is reported, not fatal
             console.print(f"llama.cpp Q4_0 skipped: {type(exc).__name__}: {exc}")
             rows.append({"name": "llama.cpp Q4_0", "skipped": f"{type(exc).__name__}: {exc}"})
@@ -208,10 +222,13 @@ def main() -> None:
     ap.add_argument("--num-calibration", type=int, default=32)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--parts", default="llm,minilm")
+    ap.add_argument("--activations", default="float,int8",
+                    help="each 4-bit model measured with float activations (W4A16) and/or int8 ones (W4A8)")
     ap.add_argument("--quick", action="store_true", help="4 held-out windows, 8 calibration windows, 64 sentences")
     args = ap.parse_args()
     args.groups = [int(g) for g in args.groups.split(",")]
     args.methods = [m for m in args.methods.split(",") if m]
+    args.activations = [a for a in args.activations.split(",") if a]
     if args.quick:
         args.num_eval, args.num_calibration = 4, 8
 
