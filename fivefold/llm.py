@@ -29,7 +29,9 @@ class LLM:
         ``quantization="w8a16"``: int8 weights quantized tensor by tensor while loading (as
         ``fivefold quantize --scheme w8a16`` writes them, without the float model in memory);
         ``"w4a16"``: 4-bit weights the same way (round to nearest, groups of 128 with a minimum);
-        ``"gguf"``: a GGUF file's Q4_0/Q4_1 blocks served as they are.
+        ``"w4a8"``: the same 4-bit weights times int8 activations (per row and block of 32, integer
+        dot products: faster, 0.1-0.4% more held-out perplexity on SmolLM2); ``"gguf"``: a GGUF
+        file's Q4_0/Q4_1 blocks served as they are, times int8 activations as llama.cpp does.
 
         Given a name or path, the engine owns the model: it is loaded tensor by tensor straight into
         the served layout (one copy of every weight). Given a :class:`LoadedModel`, the caller keeps
