@@ -31,6 +31,7 @@ def kernel_choices() -> list[tuple[str, str]]:
         rows[1] = ("bfloat16 linear", "oneDNN packed bf16" + streamed(torch.bfloat16))
     rows.append(("W8A16 linear", "fivefold::int8_weight_linear up to 64 rows, dequantized tiles above"
                  if int8_ops() is not None else "dequantized tiles (C++ kernel unavailable)"))
+    rows += int4_rows(p)
     for mode in LIBRARY_KERNELS:
         kernel = w8a8_kernel(mode)
         label = "static" if mode == "static" else f"dynamic {mode}"
@@ -42,3 +43,23 @@ def kernel_choices() -> list[tuple[str, str]]:
     rows.append(("C++ extensions", f"{' '.join(p.compile_flags)}, cache {build_dir_name('<name>')}"))
     rows.append(("OpenMP runtimes", ", ".join(openmp_runtimes()) or "none loaded"))
     return rows
+
+
+def int4_rows(p) -> list[tuple[str, str]]:
+    """The 4-bit linear's kernels on this build: W4A16 (float activations) and W4A8 (int8
+    activations: which integer dot product the -march of the build gives)."""
+    from fivefold.kernels import int4_ops
+
+    if int4_ops() is None:
+        return [("W4A16 / W4A8 linear", "dequantized tiles (C++ kernel unavailable)")]
+    level = p.isa_level
+    if level in ("amx", "avx512-vnni"):
+        dot = "vpdpbusd (AVX-512 VNNI)"
+    elif level == "avx512":
+        dot = "vpmaddubsw + vpmaddwd (AVX-512BW, exact: 4-bit codes cannot saturate)"
+    elif level.startswith("avx2"):
+        dot = "vpmaddubsw + vpmaddwd (AVX2, exact: 4-bit codes cannot saturate)"
+    else:
+        dot = "none in this build: activations quantized, then the float path"
+    return [("W4A16 linear", "fivefold::int4_linear, float activations, up to 64 rows; dequantized tiles above"),
+            ("W4A8 linear", f"fivefold::int4_linear, int8 activations per block of 32, every batch size: {dot}")]

@@ -100,6 +100,8 @@ def test_fivefold_env_prints_the_machine_and_each_paths_kernel(capsys):
         assert kernels[mode].startswith("fivefold-exact" if not p.has_vnni else ("int_mm", "fbgemm", "onednn",
                                                                                   "fivefold-exact"))
     assert kernels["bfloat16 linear"].startswith("oneDNN packed" if p.can_pack_bf16 else "dense")
+    # the 4-bit kernel's integer dot product follows the build's ISA (the forced-AVX2 leg: vpmaddubsw)
+    assert ("vpdpbusd" if p.isa_level in ("amx", "avx512-vnni") else "vpmaddubsw") in kernels["W4A8 linear"]
     assert p.build_key in kernels["C++ extensions"]
     assert main(["env"]) == 0 and "kernel chosen for each path" in capsys.readouterr().out
 
