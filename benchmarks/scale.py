@@ -17,8 +17,9 @@ the built-in model.
 Forms (FORM:DTYPE): the bf16 directory served in float32 or bfloat16, or quantized while loading
 (``w8a16``, ``w4a16``: RTN, groups of 128 with a minimum, the tied head W8A16; ``w4a8``: the same
 4-bit weights times int8 activations); the Q8_0 file (float32 activations, Q8_0 served int8 as it
-is); the Q4_0 file served as it is (``gguf``: its blocks on the int4 kernel times int8 activations,
-the tied table held once in the head's Q8_0 blocks). llama.cpp runs each GGUF file; every fivefold form is compared with
+is; ``gguf``: the Q8_0 blocks times int8 activations, as llama.cpp); the Q4_0 file served as it is
+(``gguf``: its blocks on the int4 kernel times int8 activations, the tied table held once in the
+head's Q8_0 blocks). llama.cpp runs each GGUF file; every fivefold form is compared with
 llama.cpp on the file of its precision (4-bit forms with Q4_0, the others with Q8_0).
 
 Each measurement runs in a fresh process (so that one run's memory cannot count for another):
@@ -57,8 +58,8 @@ VOCAB = 49152
 # loading), FORM:w4a8 (the 4-bit weights times int8 activations), or FORM:gguf (a GGUF's 4-bit blocks
 # served as they are, times int8 activations as llama.cpp). The GGUF's Q8_0 tensors are served int8
 # with their block scales whatever the dtype (float32 activations).
-FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32", "bf16-dir:w4a16",
-         "bf16-dir:w4a8", "gguf-q4_0:gguf")
+FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32", "gguf-q8_0:gguf",
+         "bf16-dir:w4a16", "bf16-dir:w4a8", "gguf-q4_0:gguf")
 GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0"}
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
 KV_CACHE_BYTES = 512 << 20

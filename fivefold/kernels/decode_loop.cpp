@@ -26,7 +26,8 @@
 // oneDNN's packed GEMM, or at::linear on the row-major weight. A 4-bit linear (uint8 weight in
 // fivefold::int4_pack's layout) always runs fivefold::int4_linear: its scale, its bias, and in the
 // last slot its group offsets (empty: symmetric); every 4-bit linear of the model takes float or
-// int8 activations alike (`int4_int8_activations`).
+// int8 activations alike (`int4_int8_activations`), and so does every int8 one
+// (`int8_int8_activations`: fivefold::int8_weight_linear_a8, a GGUF's Q8_0 served as stored).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -59,6 +60,7 @@ struct Ops {
   const c10::OperatorHandle stream = op("fivefold::stream_linear");
   const c10::OperatorHandle int8_stream = op("fivefold::int8_weight_linear");  // the same kernel, named for the profiler
   const c10::OperatorHandle int4 = op("fivefold::int4_linear");
+  const c10::OperatorHandle int8_a8 = op("fivefold::int8_weight_linear_a8");
   const c10::OperatorHandle packed = op("mkldnn::_linear_pointwise");
   const c10::OperatorHandle attention = op("fivefold::paged_decode_attention");
   const c10::OperatorHandle chunk_attention = op("fivefold::paged_prefill_attention");
@@ -76,12 +78,14 @@ const Ops& ops() {
 struct LinearArgs {
   int64_t stream_max_rows;
   bool int4_int8_activations;
+  bool int8_int8_activations;
 };
 
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, const LinearArgs& a) {
   const int64_t stream_max_rows = a.stream_max_rows;
   const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
-  if (w.scalar_type() == torch::kInt8) return call(ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
+  if (w.scalar_type() == torch::kInt8)
+    return call(a.int8_int8_activations ? ops().int8_a8 : ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
   if (w.scalar_type() == torch::kUInt8)
     return call(ops().int4, {x, w, scale, maybe(large), maybe(bias), a.int4_int8_activations})[0].toTensor();
   if (w.numel() > 0 && x.size(0) <= stream_max_rows) {  // no streaming copy: the large-batch weight serves
@@ -157,8 +161,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             torch::Tensor seq_lens, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
                             torch::Tensor query_start_loc, torch::Tensor key_rotation,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            int64_t stream_max_rows, bool int4_int8_activations) {
-  const LinearArgs args{stream_max_rows, int4_int8_activations};
+                            int64_t stream_max_rows, bool int4_int8_activations, bool int8_int8_activations) {
+  const LinearArgs args{stream_max_rows, int4_int8_activations, int8_int8_activations};
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == num_layers * kTensorsPerLayer, "decode_layers: expected ",
               kTensorsPerLayer, " tensors per layer for ", num_layers, " layers, got ", layers.size());
@@ -199,7 +203,7 @@ TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] layers, Tensor[] kv_caches, Tensor final_norm, "
         "Tensor block_tables, Tensor seq_lens, Tensor slot_blocks, Tensor slot_offsets, Tensor query_start_loc, "
         "Tensor key_rotation, int num_heads, "
-        "int num_kv_heads, int head_dim, float eps, float scale, int stream_max_rows, bool int4_int8_activations) -> Tensor");
+        "int num_kv_heads, int head_dim, float eps, float scale, int stream_max_rows, bool int4_int8_activations, bool int8_int8_activations) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) { m.impl("decode_layers", &decode_layers); }
 // The tensor list holds oneDNN's packed weights, whose dispatch key is MkldnnCPU.

@@ -392,6 +392,118 @@ inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t
 }
 #endif
 
+// ---- int8 weights (fivefold::stream_pack's layout, GGUF Q8_0) times int8 activations ----
+//
+// The same activation blocks; the weights are stream_pack's tile-major int8 (tiles of 4 channels,
+// each step of W columns the 4 channels' W bytes side by side), so a block of 32 columns is
+// 32 / W steps and a step's vector holds each channel's W consecutive weights in its lane group,
+// as a 4-bit step's low nibbles do. VNNI: vpdpbusd takes unsigned bytes, so each weight enters as
+// w + 128 (an XOR of the sign bit) and the 128 x sum(xq) it adds is folded out by starting each
+// lane at -128 / kLanes x the block's code sum (exact). Without VNNI: llama.cpp's sign trick,
+// vpmaddubsw(|w|, x * sign(w)): |w| <= 128 and |x| <= 127 keep a pair under 32512, so each step's
+// pairs are widened (vpmaddwd) before they are added.
+#if defined(FIVEFOLD_A8)
+constexpr int64_t kQ8Steps = kBlock / kWidth;  // steps of W columns per activation block
+
+template <int C>
+struct BlockBytes {
+  IVec v[kQ8Steps];
+  explicit BlockBytes(const int8_t* p) {
+    for (int64_t t = 0; t < kQ8Steps; ++t, p += C * kWidth) {
+      if constexpr (C == kChannels) {
+        v[t] = wload(reinterpret_cast<const uint8_t*>(p));
+      } else {
+        alignas(64) int8_t buf[kChannels * kWidth] = {};
+        std::memcpy(buf, p, C * kWidth);
+        v[t] = wload(reinterpret_cast<const uint8_t*>(buf));
+      }
+#if defined(__AVX512VNNI__)
+      v[t] = _mm512_xor_si512(v[t], _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128 as unsigned
+#endif
+    }
+  }
+};
+
+template <int C>
+inline IVec block_dot_q8(const BlockBytes<C>& b, const int8_t* xq, int32_t qsum) {
+#if defined(__AVX512VNNI__)
+  IVec acc = _mm512_set1_epi32(-(128 / kLanes) * qsum);
+  for (int64_t t = 0; t < kQ8Steps; ++t) acc = _mm512_dpbusd_epi32(acc, b.v[t], xbroadcast(xq + t * kWidth));
+  return acc;
+#elif defined(__AVX512F__)
+  IVec acc = _mm512_setzero_si512();
+  for (int64_t t = 0; t < kQ8Steps; ++t) {
+    const __m512i x = xbroadcast(xq + t * kWidth);
+    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(b.v[t]), _mm512_setzero_si512(), x);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(b.v[t]), signed_x),
+                                                  _mm512_set1_epi16(1)));
+  }
+  (void)qsum;
+  return acc;
+#else
+  IVec acc = _mm256_setzero_si256();
+  for (int64_t t = 0; t < kQ8Steps; ++t) {
+    const __m256i x = xbroadcast(xq + t * kWidth);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b.v[t]), _mm256_sign_epi8(x, b.v[t])),
+                                                  _mm256_set1_epi16(1)));
+  }
+  (void)qsum;
+  return acc;
+#endif
+}
+
+// R rows (from row m) x C channels starting at channel n; scale: [N, groups] float32 row-major
+// (groups of group_cols, a multiple of 32) or one per channel (groups = 1, group_cols = K).
+template <int R, int C>
+inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, float* y, int64_t N,
+                    const float* scale, int64_t groups, int64_t group_cols, const float* bias) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  const int8_t* p = wt;
+  const int64_t blocks_per_group = group_cols / kBlock;
+  int64_t blk = 0;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    Vec part[R];
+    for (int r = 0; r < R; ++r) part[r] = vzero();
+    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kQ8Steps) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
+      const BlockBytes<C> bytes(p);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m + r) * a.blocks + blk;
+        part[r] = vfma(to_float(block_dot_q8(bytes, a.xq + (m + r) * a.K + blk * kBlock, a.qsum[at])), vset1(a.d[at]), part[r]);
+      }
+    }
+    float sc[kChannels] = {};
+    for (int c = 0; c < C; ++c) sc[c] = scale[(n + c) * groups + grp];
+    const Vec scv = spread(sc);
+    for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[kWidth];
+    vstore(lanes, acc[r]);
+    for (int c = 0; c < C; ++c) {
+      float v = bias ? bias[n + c] : 0.f;
+      for (int l = 0; l < kLanes; ++l) v += lanes[c * kLanes + l];
+      y[(m + r) * N + n + c] = v;
+    }
+  }
+}
+
+template <int C>
+inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
+                        const float* scale, int64_t groups, int64_t group_cols, const float* bias) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile_q8<kRows, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias);
+  switch (M - m) {
+    case 3: tile_q8<3, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
+    case 2: tile_q8<2, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
+    case 1: tile_q8<1, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
+    default: break;
+  }
+}
+#endif
+
 // Each row's blocks of kBlock columns to int8: d = amax / 127, q = round(x / d) (ties to even),
 // as fivefold/models/int4_linear.py's quantize_activations computes them. x [M, K] -> xq [M, K],
 // d [M, K / kBlock]. Compiled without -ffast-math: it may turn x / d into x * (1 / d), which rounds
@@ -674,6 +786,61 @@ torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::o
   return out;
 }
 
+// int8 weights (fivefold::stream_pack's layout of int8 [N, K], K a multiple of 32) with a float32
+// scale per output channel ([N]) or per group of columns ([N, groups], GGUF Q8_0: 32), times x
+// [M, K] float32 quantized per row and block of 32 here (W8A8 dynamic, the way llama.cpp runs
+// Q8_0): y = sum_groups scale * sum_blocks d * sum q xq, + bias.
+torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                                    const c10::optional<torch::Tensor>& bias_opt) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.scalar_type() == torch::kInt8 && w.is_contiguous(),
+              "int8_weight_linear_a8: the weight must come from this build's stream_pack (int8 [N, Kp/", kWidth, ", ",
+              kWidth, "]), got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1) * kWidth;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % kBlock == 0, "int8_weight_linear_a8: x must be [M, ", K,
+              "] with K a multiple of ", kBlock, ", got ", x.sizes());
+  const torch::Tensor sc = scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 && (K / sc.size(1)) % kBlock == 0)),
+              "int8_weight_linear_a8: scale must be [", N, "] or [", N, ", groups] with groups of a multiple of ", kBlock,
+              " columns, got ", scale.sizes());
+  const int64_t groups = sc.dim() == 1 ? 1 : sc.size(1), group_cols = K / groups;
+  torch::Tensor bias;
+  if (bias_opt.has_value() && bias_opt->defined() && bias_opt->numel() > 0) {
+    bias = bias_opt->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bias.numel() == N, "int8_weight_linear_a8: bias must have ", N, " elements");
+  }
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = x.size(0);
+  auto xq = torch::empty({M, K}, xf.options().dtype(torch::kInt8));
+  auto d = torch::empty({M, K / kBlock}, xf.options());
+  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+#if defined(FIVEFOLD_A8)
+  auto xsum = torch::empty({M, 1}, xf.options());
+  auto qsum = torch::empty({M, K / kBlock}, xf.options().dtype(torch::kInt32));
+  int8_group_sums(xq.data_ptr<int8_t>(), d.data_ptr<float>(), M, K, K, qsum.data_ptr<int32_t>(), xsum.data_ptr<float>());
+  const Int8Rows a{xq.data_ptr<int8_t>(), d.data_ptr<float>(), qsum.data_ptr<int32_t>(), xsum.data_ptr<float>(), K,
+                   K / kBlock, 1};
+  auto y = torch::empty({M, N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t num_tiles = N / kChannels;
+#pragma omp parallel for schedule(static) if (N * K > (1 << 15))
+  for (int64_t t = 0; t < num_tiles; ++t)
+    channels_q8<kChannels>(a, M, wp + t * kChannels * K, t * kChannels, yp, N, sp, groups, group_cols, bp);
+  const int64_t n = num_tiles * kChannels;
+  switch (N - n) {
+    case 3: channels_q8<3>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
+    case 2: channels_q8<2>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
+    case 1: channels_q8<1>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
+    default: break;
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "int8_weight_linear_a8: this build has no integer dot product (AVX2 or AVX-512BW)");
+#endif
+}
+
 // The W4A8 product of activations already quantized: xq int8 [M, K], d float32 [M, K / 32] (one
 // scale per block of 32 columns); the rest as int4_linear. For tests of the integer sums (d = 1,
 // scale = 1: the result is the int64 dot product exactly) and for callers that quantize once.
@@ -700,6 +867,7 @@ TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor? offset, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.def("int4_linear_int8(Tensor xq, Tensor d, Tensor w, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor");
   m.def("int4_dequantize(Tensor w, Tensor scale, Tensor? offset) -> Tensor");
+  m.def("int8_weight_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_pack", &int4_pack);
@@ -708,4 +876,5 @@ TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_linear_int8", &int4_linear_int8);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_weight_linear_a8", &int8_weight_linear_a8);
 }

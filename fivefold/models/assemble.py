@@ -47,7 +47,7 @@ class ServedForm:
     quantization: None, "w8a16" (int8 weights, one scale per output channel, quantized here),
         "w4a16" (4-bit weights, groups of 128 with a minimum, quantized here; a tied LM head W8A16),
         "w4a8" (the same, multiplied by int8 activations) or "gguf" (a GGUF file's 4-bit blocks
-        kept as they are, multiplied by int8 activations as llama.cpp does).
+        kept as they are; they and its Q8_0 tensors multiplied by int8 activations as llama.cpp does).
     """
 
     dtype: torch.dtype = torch.float32
@@ -196,6 +196,8 @@ class _Assembler:
             module.weight, module.weight_scale = weight.q, weight.scale.float()
             if bias is not None:
                 module.bias = bias
+            if form.quantization == AS_STORED and weight.q.shape[1] % 32 == 0:  # Q8_0 x Q8 activations, as llama.cpp
+                module.set_activations_(GGUF_ACTIVATIONS)
             return module.pack_()
         four_bit = form.quantization in ("w4a16", "w4a8")
         if form.quantization == "w8a16" or (four_bit and head):

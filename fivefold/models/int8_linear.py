@@ -158,6 +158,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_zero_point", torch.tensor(0, dtype=torch.int32))
         self.register_buffer("input_clip", torch.tensor([-math.inf, math.inf]))
         self._prepared: dict | None = None
+        # W8A16 weights times int8 activations per row and block of 32 (a GGUF's Q8_0 served as
+        # stored, as llama.cpp runs it: fivefold::int8_weight_linear_a8); a serving choice, not saved
+        self.int8_activations = False
 
     @classmethod
     def from_float(cls, linear: nn.Module, config: Int8Format, clip_range: tuple[float, float] | None = None,
@@ -300,9 +303,27 @@ class Int8Linear(nn.Module):
         return w8a8_exact(quantize_activation(x, scale, zp), scale, zp, self.weight, p["w_sum"],
                           self.weight_scale, self.bias)
 
+    def set_activations_(self, activations: str) -> "Int8Linear":
+        """W8A16 only: multiply "float" or "int8" activations (per row and block of 32) by the weights."""
+        if activations not in ("float", "int8"):
+            raise FivefoldError(f"activations must be float or int8, got '{activations}'")
+        if activations == "int8" and (self.scheme != "w8a16" or self.in_features % 32):
+            raise FivefoldError(f"int8 activations need a W8A16 layer with in_features a multiple of 32, got "
+                                f"{self.scheme} with {self.in_features}")
+        self.int8_activations = activations == "int8"
+        return self
+
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
         p = self._prepare()
         stream = p.get("stream")
+        if self.int8_activations:
+            from fivefold.kernels import int4_ops
+
+            if stream is not None and int4_ops() is not None:  # every batch size: integer dot products
+                return int4_ops().int8_weight_linear_a8(x, stream, self.weight_scale, self.bias)
+            from fivefold.models.int4_linear import dequantize_activations, quantize_activations
+
+            x = dequantize_activations(*quantize_activations(x))  # the kernel's numbers, through float
         if stream is not None and x.shape[0] <= SMALL_BATCH:
             return int8_ops().int8_weight_linear(x, stream, self.weight_scale, self.bias)
         out = torch.empty(x.shape[0], self.out_features)

@@ -63,12 +63,15 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     return f"{type(linear).__name__} projections"
 
 
-def _int4_activations(model: nn.Module) -> set[str]:
-    """The activation precisions ("float", "int8") of the model's 4-bit layers (the C++ loop runs
-    them all one way)."""
+def _activations(model: nn.Module, kind: str) -> set[str]:
+    """The activation precisions ("float", "int8") of the decoder's 4-bit (``kind="int4"``) or int8
+    projections (the C++ loop runs each kind one way; the LM head is not in the loop)."""
     from fivefold.models.int4_linear import Int4Linear
+    from fivefold.models.int8_linear import Int8Linear
 
-    return {m.format.activations for m in model.modules() if isinstance(m, Int4Linear)}
+    cls = Int4Linear if kind == "int4" else Int8Linear
+    return {"int8" if m.int8_activations else "float" for layer in model.layers for m in layer.modules()
+            if isinstance(m, cls)}
 
 
 class NativeDecoder:
@@ -89,7 +92,8 @@ class NativeDecoder:
         self.layer_tensors = tensors
         c = model.config
         self.shape_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
-                           stream_max_rows(torch.float32), _int4_activations(model) == {"int8"})
+                           stream_max_rows(torch.float32), _activations(model, "int4") == {"int8"},
+                           _activations(model, "int8") == {"int8"})
 
     @staticmethod
     def unsupported_reason(model: nn.Module) -> str | None:
@@ -108,8 +112,9 @@ class NativeDecoder:
                 found = _linear_tensors(linear)
                 if isinstance(found, str):
                     return found
-        if len(_int4_activations(model)) > 1:
-            return "4-bit projections with float and int8 activations in one model"
+        for kind in ("int4", "int8"):
+            if len(_activations(model, kind)) > 1:
+                return f"{kind} projections with float and int8 activations in one model"
         return None
 
     @staticmethod

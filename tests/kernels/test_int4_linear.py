@@ -117,6 +117,43 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric):
     assert torch.equal(y.double(), want.double())
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (67, 576, 32), (6, 256, None), (3, 96, 32)])
+def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
+    """fivefold::int8_weight_linear_a8 (a GGUF's Q8_0 served as stored): stream_pack's int8 weights,
+    a scale per group of 32 or per channel, times the rows quantized per block of 32."""
+    from fivefold.kernels import stream_ops
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) / 50 if group else torch.rand(n, generator=gen) / 50
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(k, generator=gen) * 4
+    wf = w.double() * (scale.double().repeat_interleave(group, dim=1) if group else scale.double()[:, None])
+    ref = dequantize_activations(*quantize_activations(x)).double() @ wf.t() + bias.double()
+    y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), scale, bias)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_int8_weight_sums_are_exact_on_saturating_operands():
+    """Weights -128 and 127 against activations -127 and 127 (every block's amax 127, so d = 1),
+    scales 1: the int64 dot product exactly. VNNI adds 128 to each weight and folds 128 x sum(x)
+    back out; AVX2 multiplies |w| by x * sign(w), whose pairs stay under 32767 even at w = -128."""
+    from fivefold.kernels import stream_ops
+
+    n, k = 36, 1024  # sums up to 1024 x 128 x 127 < 2^24: exact in float32
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    w[1::2] = 127
+    w[2::5, ::3] = -127
+    x = torch.full((4, k), 127.0)
+    x[1] = -127
+    x[2, ::2] = -127
+    x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(2)).float()
+    x[3, ::32] = 127
+    y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // 32), None)
+    assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
+
+
 def test_int8_activations_refuse_what_they_cannot_take():
     ops = int4_ops()
     gen = torch.Generator().manual_seed(4)

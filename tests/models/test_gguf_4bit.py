@@ -55,9 +55,15 @@ class int8_inputs:
             h.remove()
 
 
+def int8_input_layers(model: nn.Module) -> list[str]:
+    """The layers of ``model`` that quantize their inputs to int8 (4-bit ones, a GGUF's Q8_0 ones)."""
+    return [n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear)) and m.int8_activations]
+
+
 def set_activations(model: nn.Module, activations: str) -> None:
+    """Every 4-bit layer and every W8A16 one (a GGUF's Q8_0 tensors) of ``model``."""
     for m in model.modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, Int4Linear) or (isinstance(m, Int8Linear) and m.scheme == "w8a16"):
             m.set_activations_(activations)
 
 
@@ -115,7 +121,7 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
                     torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         module.set_activations_("int8")
     with torch.inference_mode():
-        with int8_inputs(reference.model, int4):
+        with int8_inputs(reference.model, int8_input_layers(served.model)):
             ours, ref = prefill_logits(served.model, IDS), prefill_logits(reference.model, IDS)
         # per layer the bytes agree; through the layers float rounding can put an activation on the
         # other side of a rounding boundary, moving its code by one (a step of amax / 127)
@@ -125,6 +131,31 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     # 4-bit codes and float16 scales: well under a third of the float32 model's bytes
     assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 3
+
+
+def test_q8_0_served_as_stored_multiplies_int8_activations(tmp_path):
+    """``--quantization gguf``: Q8_0 projections (and a Q8_0 head) take int8 activations as llama.cpp
+    does, layer by layer what the dequantized model computes on int8-rounded inputs; without the
+    flag they keep float activations (W8A16). The C++ decode loop runs them like the Python loop."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q8_0"), "blk.0.ffn_down.weight": "Q4_0"})
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
+    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    int8 = {n: m for n, m in served.named_modules() if isinstance(m, Int8Linear)}
+    assert set(int8) >= {"layers.0.self_attn.qkv_proj", "lm_head"} and all(m.int8_activations for m in int8.values())
+    assert not any(m.int8_activations for m in reference.modules() if isinstance(m, Int8Linear))
+    for name, module in int8.items():
+        dense = module.rows(torch.arange(module.out_features))  # the dequantized Q8_0 weight
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                want = nn.functional.linear(fake_int8(x).double(), dense.double()).float()
+                torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    from fivefold.models.native_decode import NativeDecoder
+
+    assert NativeDecoder.unsupported_reason(served) is None
 
 
 @pytest.mark.parametrize("table", ["Q4_0", "Q4_1", "Q8_0"])
@@ -181,7 +212,7 @@ def test_builtin_q4_1_model_served_as_it_is():
         module.set_activations_("int8")
     ids = served.tokenizer.encode("The quick brown fox jumps over the lazy dog. Python is")
     with torch.inference_mode():
-        with int8_inputs(reference.model, int4):
+        with int8_inputs(reference.model, int8_input_layers(served.model)):
             ours, ref = prefill_logits(served.model, ids), prefill_logits(reference.model, ids)
         # through 30 layers the rounding boundaries of the last test compound (SmolLM2's outlier
         # channels make a code step large): close in direction, the same next token nearly always
