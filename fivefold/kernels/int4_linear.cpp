@@ -505,7 +505,7 @@ inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t 
 #endif
 
 // Each row's blocks of kBlock columns to int8: d = amax / 127, q = round(x / d) (ties to even),
-// as fivefold/models/int4_linear.py's quantize_activations computes them. x [M, K] -> xq [M, K],
+// as fivefold/models/int8_primitives.py's quantize_activations computes them. x [M, K] -> xq [M, K],
 // d [M, K / kBlock]. Compiled without -ffast-math: it may turn x / d into x * (1 / d), which rounds
 // differently at ties, and a test compares the bytes with the reference's.
 #pragma GCC push_options

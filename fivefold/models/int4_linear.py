@@ -45,10 +45,10 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
+from fivefold.models.int8_primitives import ACT_BLOCK, dequantize_activations, quantize_activations  # noqa: F401 (re-exported)
 
 GROUP_SIZES = (32, 64, 128, 256)
 ACTIVATIONS = ("float", "int8")
-ACT_BLOCK = 32  # columns per activation scale with int8 activations (llama.cpp's Q8_0 block)
 COLUMN_MULTIPLE = 32  # K must be a multiple of it: one byte vector of the kernel on AVX-512
 SMALL_BATCH = 64  # rows up to which the streaming kernel runs
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger batches (a multiple of 4)
@@ -164,26 +164,6 @@ def quantize_int4(w: torch.Tensor, fmt: Int4Format) -> Int4Quantized:
         offset = offset[:, :, 0].contiguous()
     q = q.to(torch.uint8).reshape(n, -1)[:, :k].contiguous()
     return Int4Quantized(q, scale[:, :, 0].contiguous(), offset, fmt.group_size)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of float32 ``x`` [M, K] (K a multiple of 32) -> (codes int8 [M, K], scales float32
-    [M, K / 32]): per block of 32 columns, scale = amax / 127 and code = round(x / scale), ties to
-    even (what the kernel computes, byte for byte); an all-zero block has scale 0 and codes 0."""
-    m, k = x.shape
-    if k % ACT_BLOCK:
-        raise FivefoldError(f"int8 activations need in_features to be a multiple of {ACT_BLOCK}, got {k}")
-    blocks = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
-    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp_(-127, 127)
-    return q.to(torch.int8).reshape(m, k), scale.reshape(m, -1)
-
-
-def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`quantize_activations`: float32 [M, K]."""
-    m, k = q.shape
-    return (q.float().reshape(m, -1, ACT_BLOCK) * scale[:, :, None]).reshape(m, k)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

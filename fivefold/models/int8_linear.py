@@ -45,7 +45,14 @@ from fivefold.models.int8_backends import (
     w8a8_kernel,
     w8a8_onednn,
 )
-from fivefold.models.int8_primitives import activation_qparams, dequantize_weight, quantize_activation, quantize_weight
+from fivefold.models.int8_primitives import (
+    activation_qparams,
+    dequantize_activations,
+    dequantize_weight,
+    quantize_activation,
+    quantize_activations,
+    quantize_weight,
+)
 
 SCHEMES = ("w8a16", "w8a8")
 WEIGHT_GRANULARITIES = ("per-channel", "per-tensor", "per-group")
@@ -321,8 +328,6 @@ class Int8Linear(nn.Module):
 
             if stream is not None and int4_ops() is not None:  # every batch size: integer dot products
                 return int4_ops().int8_weight_linear_a8(x, stream, self.weight_scale, self.bias)
-            from fivefold.models.int4_linear import dequantize_activations, quantize_activations
-
             x = dequantize_activations(*quantize_activations(x))  # the kernel's numbers, through float
         if stream is not None and x.shape[0] <= SMALL_BATCH:
             return int8_ops().int8_weight_linear(x, stream, self.weight_scale, self.bias)

@@ -5,12 +5,16 @@ Conventions (those of torchao and TensorRT):
   the range is symmetric), one scale per output channel or one per tensor;
 - activations are int8 in [-128, 127], symmetric (zero point 0) or asymmetric
   (``q = round(x / scale) + zero_point``, the zero point chosen so 0.0 is exact);
-- ``x ≈ (q - zero_point) * scale``.
+- ``x ≈ (q - zero_point) * scale``;
+- block-wise int8 activations (W4A8, a GGUF served as stored): one scale per row and block of 32
+  columns, symmetric, codes in [-127, 127] (``quantize_activations``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from fivefold.errors import FivefoldError
 
 WEIGHT_QMAX = 127
 ACT_QMIN, ACT_QMAX = -128, 127
@@ -79,6 +83,29 @@ def fake_quantize(x: torch.Tensor, scale, zero_point, qmin: int, qmax: int) -> t
     clipped = torch.maximum(torch.minimum(x, torch.as_tensor(hi, dtype=x.dtype)), torch.as_tensor(lo, dtype=x.dtype))
     q = (torch.clamp(torch.round(clipped / scale) + zero_point, qmin, qmax) - zero_point) * scale
     return clipped + (q - clipped).detach()
+
+
+ACT_BLOCK = 32  # columns per scale of block-wise int8 activations (llama.cpp's Q8_0 block)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of float32 ``x`` [M, K] (K a multiple of 32) -> (codes int8 [M, K], scales float32
+    [M, K / 32]): per block of 32 columns, scale = amax / 127 and code = round(x / scale), ties to
+    even (what the kernel computes, byte for byte); an all-zero block has scale 0 and codes 0."""
+    m, k = x.shape
+    if k % ACT_BLOCK:
+        raise FivefoldError(f"int8 activations need in_features to be a multiple of {ACT_BLOCK}, got {k}")
+    blocks = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(m, k), scale.reshape(m, -1)
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`quantize_activations`: float32 [M, K]."""
+    m, k = q.shape
+    return (q.float().reshape(m, -1, ACT_BLOCK) * scale[:, :, None]).reshape(m, k)
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
