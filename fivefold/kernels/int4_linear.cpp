@@ -322,6 +322,21 @@ struct Int8Rows {
 };
 
 #if defined(FIVEFOLD_A8)
+// The R rows' accumulators (kLanes lanes per channel) summed per channel, plus the bias, into
+// y[m + r, n + c].
+template <int R, int C>
+inline void store_rows(const Vec* acc, int64_t m, int64_t n, float* y, int64_t N, const float* bias) {
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[kWidth];
+    vstore(lanes, acc[r]);
+    for (int c = 0; c < C; ++c) {
+      float v = bias ? bias[n + c] : 0.f;
+      for (int l = 0; l < kLanes; ++l) v += lanes[c * kLanes + l];
+      y[(m + r) * N + n + c] = v;
+    }
+  }
+}
+
 // R rows (from row m) x C channels starting at channel n. Symmetric codes (w = s (q - 8)): the
 // -8 is folded into each block's integer sum, sum q xq - 8 sum xq, by starting each of a channel's
 // kLanes lanes at -8 / kLanes times the block's code sum (exact: kLanes is 4 or 2), so the group
@@ -359,15 +374,7 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
       for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[kWidth];
-    vstore(lanes, acc[r]);
-    for (int c = 0; c < C; ++c) {
-      float v = o.bias ? o.bias[n + c] : 0.f;
-      for (int l = 0; l < kLanes; ++l) v += lanes[c * kLanes + l];
-      y[(m + r) * N + n + c] = v;
-    }
-  }
+  store_rows<R, C>(acc, m, n, y, N, o.bias);
 }
 
 template <int C, bool Symmetric>
@@ -479,15 +486,7 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
     const Vec scv = spread(sc);
     for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[kWidth];
-    vstore(lanes, acc[r]);
-    for (int c = 0; c < C; ++c) {
-      float v = bias ? bias[n + c] : 0.f;
-      for (int l = 0; l < kLanes; ++l) v += lanes[c * kLanes + l];
-      y[(m + r) * N + n + c] = v;
-    }
-  }
+  store_rows<R, C>(acc, m, n, y, N, bias);
 }
 
 template <int C>
@@ -656,11 +655,12 @@ Operands checked_operands(const char* op, const torch::Tensor& w, int64_t K, con
                   bias.defined() ? bias.data_ptr<float>() : nullptr, groups, group_cols / kStepCols, K / kStepCols};
 }
 
-// Every tile of the weight (threads split the tiles) against all M rows: body(C, wt, n) with C the
-// tile's channels as a template constant.
+// Every tile of the weight (threads split the tiles) against all M rows: body(C, byte offset of the
+// tile, n) with C the tile's channels as a template constant; channel_bytes: K / 2 for 4-bit codes,
+// K for int8 weights.
 template <typename Body>
-void for_each_tile(int64_t N, int64_t K, Body&& body) {
-  const int64_t tile_bytes = K / 2, num_tiles = N / kChannels;  // bytes per channel; full tiles
+void for_each_tile(int64_t N, int64_t channel_bytes, int64_t K, Body&& body) {
+  const int64_t tile_bytes = channel_bytes, num_tiles = N / kChannels;  // bytes per channel; full tiles
 #pragma omp parallel for schedule(static) if (N * K > (1 << 15))
   for (int64_t t = 0; t < num_tiles; ++t) body(std::integral_constant<int, kChannels>{}, t * kChannels * tile_bytes, t * kChannels);
   const int64_t n = num_tiles * kChannels;
@@ -691,7 +691,7 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for_each_tile(N, K, [&](auto c, int64_t byte0, int64_t n) { channels<decltype(c)::value>(xp, M, K, wp + byte0, n, yp, N, o); });
+  for_each_tile(N, K / 2, K, [&](auto c, int64_t byte0, int64_t n) { channels<decltype(c)::value>(xp, M, K, wp + byte0, n, yp, N, o); });
   return y;
 }
 
@@ -709,7 +709,7 @@ torch::Tensor run_int8(const torch::Tensor& xq, const torch::Tensor& d, const to
                    K / kBlock, o.groups};
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for_each_tile(N, K, [&](auto c, int64_t byte0, int64_t n) { channels_a8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, o); });
+  for_each_tile(N, K / 2, K, [&](auto c, int64_t byte0, int64_t n) { channels_a8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, o); });
   return y;
 #else  // no integer dot product in this build: the same numbers through the float path
   const torch::Tensor x = (xq.to(torch::kFloat32).view({M, K / kBlock, kBlock}) * d.view({M, K / kBlock, 1})).view({M, K});
@@ -764,7 +764,7 @@ torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::o
   auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for_each_tile(N, K, [&](auto cc, int64_t byte0, int64_t n) {
+  for_each_tile(N, K / 2, K, [&](auto cc, int64_t byte0, int64_t n) {
     constexpr int C = decltype(cc)::value;
     const uint8_t* p = wp + byte0;
     int64_t s = 0;
@@ -824,17 +824,9 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const int64_t num_tiles = N / kChannels;
-#pragma omp parallel for schedule(static) if (N * K > (1 << 15))
-  for (int64_t t = 0; t < num_tiles; ++t)
-    channels_q8<kChannels>(a, M, wp + t * kChannels * K, t * kChannels, yp, N, sp, groups, group_cols, bp);
-  const int64_t n = num_tiles * kChannels;
-  switch (N - n) {
-    case 3: channels_q8<3>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
-    case 2: channels_q8<2>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
-    case 1: channels_q8<1>(a, M, wp + n * K, n, yp, N, sp, groups, group_cols, bp); break;
-    default: break;
-  }
+  for_each_tile(N, K, K, [&](auto c, int64_t byte0, int64_t n) {
+    channels_q8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, sp, groups, group_cols, bp);
+  });
   return y;
 #else
   TORCH_CHECK(false, "int8_weight_linear_a8: this build has no integer dot product (AVX2 or AVX-512BW)");
