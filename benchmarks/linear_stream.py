@@ -25,7 +25,7 @@ Backends:
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4] [--shapes smollm2|llama8b]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,q8_0] [--shapes smollm2|llama3b|llama8b]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -51,7 +51,9 @@ from fivefold.profile.roofline import measure_bandwidth, measure_flops  # noqa: 
 
 HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 INT4_GROUP = 32
-BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP}
+# q8_0: GGUF Q8_0's form, int8 weights with one scale per 32 (the bytes counted: the file's, a
+# float16 scale per block, 8.5 bits per weight)
+BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "q8_0": 1 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
 # and the per-call cost (the Python call, the thread team, quantizing one activation row) is small.
@@ -59,6 +61,7 @@ SHAPE_SETS = {
     "smollm2": [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * NUM_LAYERS + [
         (VOCAB, HIDDEN)],
     "llama8b": [(6144, 4096), (4096, 4096), (2 * 14336, 4096), (4096, 14336)] * 2,
+    "llama3b": [(5120, 3072), (3072, 3072), (2 * 8192, 3072), (3072, 8192)] * 2,
 }
 SHAPES = SHAPE_SETS["smollm2"]
 
@@ -87,6 +90,9 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
                 copy.append((torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
                              ((torch.rand(n, k // INT4_GROUP, generator=generator) / 100).half(),
                               (torch.randn(n, k // INT4_GROUP, generator=generator) / 10).half())))
+            elif dtype == "q8_0":
+                copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
+                             torch.rand(n, k // 32, generator=generator) / 100))
             elif dtype == "int8":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              torch.rand(n, generator=generator) / 100))
@@ -109,6 +115,14 @@ def backends(dtype: str):
         return {"stream": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, False)),
                 "stream-a8": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, True))}
     ops = stream_ops()
+    if dtype == "q8_0":  # float activations (W8A16 with block scales) and int8 ones (as llama.cpp)
+        found = {}
+        if ops is not None:
+            found["stream"] = (lambda w, s: (ops.stream_pack(w), s), lambda x, p: ops.stream_linear(x, p[0], p[1], None))
+            if int4_ops() is not None:
+                found["stream-a8"] = (lambda w, s: (ops.stream_pack(w), s),
+                                      lambda x, p: int4_ops().int8_weight_linear_a8(x, p[0], p[1], None))
+        return found
     torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     found = {}
     if ops is not None:
@@ -178,7 +192,7 @@ def main() -> None:
         model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4") else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4", "q8_0") else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

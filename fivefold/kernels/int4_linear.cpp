@@ -459,17 +459,68 @@ inline IVec block_dot_q8(const BlockBytes<C>& b, const int8_t* xq, int32_t qsum)
 #endif
 }
 
-// R rows (from row m) x C channels starting at channel n; scale: [N, groups] float32 row-major
-// (groups of group_cols, a multiple of 32) or one per channel (groups = 1, group_cols = K).
-template <int R, int C>
+// A Q8 weight's scales, one per channel and group: float32 [N, groups] row-major (fivefold's own
+// group-quantized W8A16), or float16 in int4_pack_groups' tile-major order (a GGUF's Q8_0 blocks:
+// the file's bytes, and a tile's scales one contiguous run read beside its weights, where the
+// row-major table is four more streams, one per channel).
+struct Q8Scales {
+  const float* f32;       // [N, groups] row-major, or null
+  const at::Half* f16;    // tile-major [N, groups], or null
+  int64_t groups;
+};
+
+inline Vec spread4(__m128 v) {
+#if defined(__AVX512F__)
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+#else
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+#endif
+}
+
+// The C channels' scales of group grp for the tile at channel n, spread to their lane groups (a
+// narrower tile's missing channels 0), built in registers: scalar stores followed by a vector load
+// of the same bytes stall on store forwarding, and at one scale per 32 weights that stall cost half
+// the kernel's time.
+template <bool Half, int C>
+inline Vec q8_scales(const Q8Scales& s, int64_t n, int64_t grp) {
+  if constexpr (Half) {
+    const at::Half* p = s.f16 + n * s.groups + grp * C;
+    if constexpr (C == 4) return spread4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return spread4(_mm_setr_ps(static_cast<float>(p[0]), C > 1 ? static_cast<float>(p[1]) : 0.f,
+                               C > 2 ? static_cast<float>(p[2]) : 0.f, 0.f));
+  } else {
+    const float* p = s.f32 + n * s.groups + grp;
+    const int64_t g = s.groups;
+    return spread4(_mm_setr_ps(p[0], C > 1 ? p[g] : 0.f, C > 2 ? p[2 * g] : 0.f, C > 3 ? p[3 * g] : 0.f));
+  }
+}
+
+// R rows (from row m) x C channels starting at channel n; scales: one per channel and group of
+// group_cols columns (a multiple of 32), or one per channel (groups = 1, group_cols = K).
+template <bool Half, int R, int C>
 inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, float* y, int64_t N,
-                    const float* scale, int64_t groups, int64_t group_cols, const float* bias) {
+                    const Q8Scales& scale, int64_t group_cols, const float* bias) {
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   const int8_t* p = wt;
   const int64_t blocks_per_group = group_cols / kBlock;
   int64_t blk = 0;
-  for (int64_t grp = 0; grp < groups; ++grp) {
+  if (blocks_per_group == 1) {  // GGUF Q8_0: a scale per block, folded into the block's activation scale
+    for (; blk < a.blocks; ++blk, p += C * kWidth * kQ8Steps) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
+      const BlockBytes<C> bytes(p);
+      const Vec scv = q8_scales<Half, C>(scale, n, blk);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m + r) * a.blocks + blk;
+        acc[r] = vfma(to_float(block_dot_q8(bytes, a.xq + (m + r) * a.K + blk * kBlock, a.qsum[at])),
+                      vmul(vset1(a.d[at]), scv), acc[r]);
+      }
+    }
+    store_rows<R, C>(acc, m, n, y, N, bias);
+    return;
+  }
+  for (int64_t grp = 0; grp < scale.groups; ++grp) {
     Vec part[R];
     for (int r = 0; r < R; ++r) part[r] = vzero();
     for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kQ8Steps) {
@@ -481,25 +532,30 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
         part[r] = vfma(to_float(block_dot_q8(bytes, a.xq + (m + r) * a.K + blk * kBlock, a.qsum[at])), vset1(a.d[at]), part[r]);
       }
     }
-    float sc[kChannels] = {};
-    for (int c = 0; c < C; ++c) sc[c] = scale[(n + c) * groups + grp];
-    const Vec scv = spread(sc);
+    const Vec scv = q8_scales<Half, C>(scale, n, grp);
     for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
   }
   store_rows<R, C>(acc, m, n, y, N, bias);
 }
 
-template <int C>
-inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
-                        const float* scale, int64_t groups, int64_t group_cols, const float* bias) {
+template <bool Half, int C>
+inline void rows_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
+                    const Q8Scales& scale, int64_t group_cols, const float* bias) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile_q8<kRows, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias);
+  for (; m + kRows <= M; m += kRows) tile_q8<Half, kRows, C>(a, m, wt, n, y, N, scale, group_cols, bias);
   switch (M - m) {
-    case 3: tile_q8<3, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
-    case 2: tile_q8<2, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
-    case 1: tile_q8<1, C>(a, m, wt, n, y, N, scale, groups, group_cols, bias); break;
+    case 3: tile_q8<Half, 3, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
+    case 2: tile_q8<Half, 2, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
+    case 1: tile_q8<Half, 1, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
     default: break;
   }
+}
+
+template <int C>
+inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
+                        const Q8Scales& scale, int64_t group_cols, const float* bias) {
+  if (scale.f16) rows_q8<true, C>(a, M, wt, n, y, N, scale, group_cols, bias);
+  else rows_q8<false, C>(a, M, wt, n, y, N, scale, group_cols, bias);
 }
 #endif
 
@@ -798,10 +854,13 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const int64_t N = w.size(0), K = w.size(1) * kWidth;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % kBlock == 0, "int8_weight_linear_a8: x must be [M, ", K,
               "] with K a multiple of ", kBlock, ", got ", x.sizes());
-  const torch::Tensor sc = scale.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 && (K / sc.size(1)) % kBlock == 0)),
-              "int8_weight_linear_a8: scale must be [", N, "] or [", N, ", groups] with groups of a multiple of ", kBlock,
-              " columns, got ", scale.sizes());
+  // float16 scales: int4_pack_groups' tile-major order; float32: row-major
+  const bool half = scale.scalar_type() == torch::kHalf;
+  const torch::Tensor sc = half ? scale.contiguous() : scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 && (K / sc.size(1)) % kBlock == 0)) &&
+                  (!half || sc.dim() == 2),
+              "int8_weight_linear_a8: scale must be float32 [", N, "] or [", N, ", groups] (float16 from int4_pack_groups)",
+              " with groups of a multiple of ", kBlock, " columns, got ", scale.scalar_type(), " ", scale.sizes());
   const int64_t groups = sc.dim() == 1 ? 1 : sc.size(1), group_cols = K / groups;
   torch::Tensor bias;
   if (bias_opt.has_value() && bias_opt->defined() && bias_opt->numel() > 0) {
@@ -822,10 +881,10 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   auto y = torch::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
+  const Q8Scales sp{half ? nullptr : sc.data_ptr<float>(), half ? sc.data_ptr<at::Half>() : nullptr, groups};
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   for_each_tile(N, K, K, [&](auto c, int64_t byte0, int64_t n) {
-    channels_q8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, sp, groups, group_cols, bp);
+    channels_q8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, sp, group_cols, bp);
   });
   return y;
 #else

@@ -57,10 +57,19 @@ constexpr int64_t kAheadBytes = 4096;
 template <typename T, int R>
 constexpr bool kPrefetches = !(std::is_same_v<T, float> && R == 1);
 
-// Group scales: scale[n * groups + g] for the `steps` column steps of group g (its G / W vectors).
+// Group scales: one per channel and group of `steps` column steps (G / W vectors), float32
+// [N, groups] row-major, or float16 in int4_pack_groups' tile-major order (a GGUF's Q8_0 blocks, as
+// stored: a tile's scales are one contiguous run), or neither (no group scales).
 struct Groups {
-  const float* scale;  // [N, groups] or null (no group scales)
+  const float* scale;     // [N, groups] row-major, or null
+  const at::Half* half;   // tile-major [N, groups], or null
   int64_t groups, steps;
+  bool any() const { return scale != nullptr || half != nullptr; }
+  // channel c of the tile of C channels at channel n, group grp
+  template <int C>
+  float at(int64_t n, int c, int64_t grp) const {
+    return half ? static_cast<float>(half[n * groups + grp * C + c]) : scale[(n + c) * groups + grp];
+  }
 };
 
 struct Epilogue {
@@ -92,7 +101,7 @@ inline void tile_grouped_row(const float* x, const T* wt, int64_t n, float* y, c
       const Vec xv = vload(x + s * kWidth);
       for (int c = 0; c < C; ++c) part[c] = vfma(xv, vload(p + c * kWidth), part[c]);
     }
-    for (int c = 0; c < C; ++c) acc[c] = vfma(part[c], vset1(g.scale[(n + c) * g.groups + grp]), acc[c]);
+    for (int c = 0; c < C; ++c) acc[c] = vfma(part[c], vset1(g.at<C>(n, c, grp)), acc[c]);
   }
   for (int c = 0; c < C; ++c) y[n + c] = e.apply(vsum(acc[c]), n + c);
 }
@@ -108,7 +117,7 @@ inline void tile_grouped(const float* x, int64_t K, const T* wt, int64_t n, floa
   const T* p = wt;
   for (int64_t grp = 0, s = 0; grp < g.groups; ++grp) {
     Vec sv[C];
-    for (int c = 0; c < C; ++c) sv[c] = vset1(g.scale[(n + c) * g.groups + grp]);
+    for (int c = 0; c < C; ++c) sv[c] = vset1(g.at<C>(n, c, grp));
     for (int64_t j = 0; j < g.steps; ++j, ++s, p += kStep) {
 #if defined(__AVX2__)
       for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(T)); b += 64)
@@ -129,7 +138,7 @@ inline void tile_grouped(const float* x, int64_t K, const T* wt, int64_t n, floa
 template <typename T, int R, int C>
 inline void tile(const float* x, int64_t K, const T* wt, int64_t n, float* y, int64_t N, const Groups& g,
                  const Epilogue& e) {
-  if (g.scale != nullptr) return tile_grouped<T, R, C>(x, K, wt, n, y, N, g, e);
+  if (g.any()) return tile_grouped<T, R, C>(x, K, wt, n, y, N, g, e);
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
@@ -212,7 +221,8 @@ torch::Tensor stream_unpack(torch::Tensor w) {
 
 // x: [M, K] float32 or bfloat16; w: float32, bfloat16 or int8 from stream_pack ([N, Kp/W, W]);
 // scale: [N] float32 (int8 weights: the per-channel scale), [N, groups] (int8 weights: one scale
-// per group of K / groups columns, a multiple of W, with K a multiple of W) or None; bias: [N] or
+// per group of K / groups columns, a multiple of W, with K a multiple of W; float32 row-major, or
+// float16 in int4_pack_groups' tile-major order) or None; bias: [N] or
 // None. Returns [M, N] in x's dtype.
 torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optional<torch::Tensor>& scale_opt,
                             const c10::optional<torch::Tensor>& bias_opt) {
@@ -230,15 +240,17 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0), K = x.size(1), Kp = w.size(1) * kWidth, N = w.size(0);
   torch::Tensor scale, group_scale, bias;
-  Groups g{nullptr, 0, 0};
+  Groups g{nullptr, nullptr, 0, 0};
   if (scale_opt.has_value() && scale_opt->defined() && scale_opt->dim() == 2) {
-    group_scale = scale_opt->to(torch::kFloat32).contiguous();
+    const bool half = scale_opt->scalar_type() == torch::kHalf;  // int4_pack_groups' tile-major float16
+    group_scale = half ? scale_opt->contiguous() : scale_opt->to(torch::kFloat32).contiguous();
     const int64_t groups = group_scale.size(1);
     TORCH_CHECK(wt == torch::kInt8 && group_scale.size(0) == N && groups > 0 && K == Kp && K % groups == 0 &&
                     (K / groups) % kWidth == 0,
                 "stream_linear: group scales need int8 weights, a [", N, ", groups] scale, and K (", K,
                 ") split into groups of a multiple of ", kWidth, " columns; got scale ", scale_opt->sizes());
-    g = Groups{group_scale.data_ptr<float>(), groups, K / groups / kWidth};
+    g = Groups{half ? nullptr : group_scale.data_ptr<float>(), half ? group_scale.data_ptr<at::Half>() : nullptr,
+               groups, K / groups / kWidth};
   } else if (scale_opt.has_value() && scale_opt->defined()) {
     scale = scale_opt->to(torch::kFloat32).contiguous();
     TORCH_CHECK(scale.numel() == N, "stream_linear: scale must have ", N, " elements");
@@ -258,12 +270,13 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, const c10::optiona
 }
 
 // W8A16 under its historical name (the profiler shows it apart): float32 x, int8 w from
-// stream_pack, per-channel [N] or group [N, groups] scales.
+// stream_pack, per-channel [N] or group [N, groups] scales (float32 row-major, or float16 from
+// int4_pack_groups).
 torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                                  const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8 &&
-                  scale.scalar_type() == torch::kFloat32,
-              "int8_weight_linear: expects float32 x, int8 w, float32 scale");
+                  (scale.scalar_type() == torch::kFloat32 || (scale.scalar_type() == torch::kHalf && scale.dim() == 2)),
+              "int8_weight_linear: expects float32 x, int8 w, float32 scale (or float16 group scales from int4_pack_groups)");
   return stream_linear(x, w, scale, bias);
 }
 

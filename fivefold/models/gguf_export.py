@@ -74,7 +74,7 @@ def _float_rows(module) -> torch.Tensor:
     if isinstance(module, Int8Linear):
         from fivefold.models.int8_primitives import dequantize_weight
 
-        return dequantize_weight(module.int8_weight(), module.weight_scale)
+        return dequantize_weight(module.int8_weight(), module.weight_scales())
     return dense_weight(module)
 
 

@@ -59,7 +59,8 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
             return f"{linear.scheme} quantizes activations"
         if linear.is_clipped:
             return "clipped activations"
-        return [linear._prepare()["stream"], linear.weight_scale, bias, _NONE]
+        p = linear._prepare()
+        return [p["stream"], p["stream_scale"], bias, _NONE]
     return f"{type(linear).__name__} projections"
 
 

@@ -410,7 +410,7 @@ def bits_per_weight(model: nn.Module) -> float:
             bits += count * m.format.bits_per_weight(m.in_features)
         elif isinstance(m, Int8Linear):
             count = m.in_features * m.out_features
-            bits += count * 8 + m.weight_scale.numel() * 32
+            bits += count * 8 + m.weight_scales().numel() * 32
         elif isinstance(m, nn.Linear) or type(m).__name__ == "PackedLinear":
             w = _float_weight(m)
             count = w.numel()

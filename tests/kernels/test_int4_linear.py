@@ -135,6 +135,25 @@ def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n,k", [(67, 576), (3, 96), (8, 1024)])
+def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k):
+    """Group scales float16 holds exactly, passed in int4_pack_groups' tile-major order (how a
+    GGUF's Q8_0 layer holds them), give bit for bit what the float32 row-major table gives, in both
+    the int8-activation kernel and the float one (stream_linear), narrow last tiles included."""
+    from fivefold.kernels import stream_ops
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = stream_ops().stream_pack(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen))
+    scale = (torch.rand(n, k // 32, generator=gen) / 50).half().float()
+    packed = int4_ops().int4_pack_groups(scale, True)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    assert torch.equal(int4_ops().int8_weight_linear_a8(x, w, packed, bias),
+                       int4_ops().int8_weight_linear_a8(x, w, scale, bias))
+    assert torch.equal(stream_ops().stream_linear(x, w, packed, bias), stream_ops().stream_linear(x, w, scale, bias))
+
+
 def test_int8_weight_sums_are_exact_on_saturating_operands():
     """Weights -128 and 127 against activations -127 and 127 (every block's amax 127, so d = 1),
     scales 1: the int64 dot product exactly. VNNI adds 128 to each weight and folds 128 x sum(x)

@@ -60,7 +60,7 @@ def test_quantize_on_load_equals_quantize_after_loading(arch, tmp_path):
     assert names == [n for n, m in on_load.model.named_modules() if isinstance(m, Int8Linear)] and "lm_head" in names
     for name in names:
         a, b = after.model.get_submodule(name), on_load.model.get_submodule(name)
-        assert torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.weight_scale, b.weight_scale), name
+        assert torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.weight_scales(), b.weight_scales()), name
         assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
         assert b._buffers["weight"] is None  # one copy: the kernel's layout only
     with torch.inference_mode():
@@ -89,7 +89,13 @@ def test_gguf_q8_0_stays_int8_and_matches_the_dequantized_model(tmp_path):
     int8 = {n: m for n, m in served.model.named_modules() if isinstance(m, Int8Linear)}
     assert set(int8) == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
                          "layers.0.mlp.down_proj", "lm_head"}
-    assert all(m.group_size == 32 and m.weight_scale.dim() == 2 for m in int8.values())
+    assert all(m.group_size == 32 and m.weight_scales().dim() == 2 for m in int8.values())
+    # held as in the file: int8 codes and a float16 scale per 32 weights (34 bytes per block), in the
+    # kernel's layout only; no float32 table beside them
+    for m in int8.values():
+        assert m._buffers["weight"] is None and m._buffers["weight_scale"] is None
+        other = (0 if m.bias is None else m.bias.numel() * 4) + 16  # bias; input scale, zero point, clip
+        assert resident_weight_bytes(m) - other == m.in_features * m.out_features * 34 // 32
     # reference: the same file with every Q8_0 tensor dequantized to float32 (what the old loader served)
     reader = open_gguf(tmp_path / "m.gguf")
     config = gguf_config(reader, tmp_path / "m.gguf")
