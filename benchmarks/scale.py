@@ -59,8 +59,11 @@ VOCAB = 49152
 # served as they are, times int8 activations as llama.cpp). The GGUF's Q8_0 tensors are served int8
 # with their block scales whatever the dtype (float32 activations).
 FORMS = ("bf16-dir:float32", "bf16-dir:bfloat16", "bf16-dir:w8a16", "gguf-q8_0:float32", "gguf-q8_0:gguf",
-         "bf16-dir:w4a16", "bf16-dir:w4a8", "gguf-q4_0:gguf")
-GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0"}
+         "bf16-dir:w4a16", "bf16-dir:w4a8", "gguf-q4_0:gguf", "gguf-q4_k_m:gguf")
+# gguf-q4_k_m: llama.cpp's own Q4_K_M mix (Q4_K projections, Q6_K for half of ffn_down and attn_v and
+# for the table), made by llama-cpp-python's llama_model_quantize from the Q8_0 file (requantized:
+# random weights, so only speed and memory mean anything); needs ~/peers/llamacpp
+GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0", "gguf-q4_k_m": "Q4_K_M"}
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 64, (1, 8)
 KV_CACHE_BYTES = 512 << 20
 Q8_BLOCK = 32
@@ -217,6 +220,27 @@ def write_gguf(shape: str, out: Path, qtype: str = "Q8_0") -> None:
     tmp.rename(out)
 
 
+LLAMACPP_QUANTIZE = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.allow_requantize = True
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+raise SystemExit(f"llama_model_quantize failed: {rc}" if rc else 0)
+"""
+
+
+def llamacpp_quantize(source: Path, out: Path) -> None:
+    """``out``: llama.cpp's Q4_K_M of ``source`` (written by llama-cpp-python in its own venv)."""
+    if not LLAMACPP_PYTHON.exists():
+        raise SystemExit(f"gguf-q4_k_m needs llama-cpp-python in {LLAMACPP_PYTHON.parent.parent} (../shared/PEERS.md)")
+    tmp = out.with_suffix(".partial")
+    subprocess.run([str(LLAMACPP_PYTHON), "-c", LLAMACPP_QUANTIZE, str(source), str(tmp)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp.rename(out)
+
+
 def synthesize(shape: str, console, sources: set[str] = frozenset(("bf16-dir", "gguf-q8_0"))) -> dict[str, Path]:
     """The files of ``shape`` that ``sources`` name, written once into the cache."""
     root = cache_dir() / shape
@@ -229,7 +253,12 @@ def synthesize(shape: str, console, sources: set[str] = frozenset(("bf16-dir", "
         if src in sources and not files[src].exists():
             console.print(f"synthesizing {shape}: GGUF {qtype} -> {files[src]}")
             root.mkdir(parents=True, exist_ok=True)
-            write_gguf(shape, files[src], qtype)
+            if qtype == "Q4_K_M":
+                if not files["gguf-q8_0"].exists():
+                    write_gguf(shape, files["gguf-q8_0"], "Q8_0")
+                llamacpp_quantize(files["gguf-q8_0"], files[src])
+            else:
+                write_gguf(shape, files[src], qtype)
     return {src: path for src, path in files.items() if src in sources}
 
 
@@ -356,7 +385,8 @@ def main() -> int:
                 results.append({"shape": shape, "system": "llama.cpp", "form": src,
                                 "file_bytes": files[src].stat().st_size, **measure_llamacpp(files[src])})
     rows = []
-    # each fivefold form against llama.cpp on the file of its precision: 4-bit forms against Q4_0
+    # each fivefold form against llama.cpp on the same GGUF file, or on the file of its precision (a
+    # directory quantized on load: 4-bit forms against Q4_0, 8-bit against Q8_0)
     llamacpp_b1 = {(r["shape"], r["form"]): r["decode_tok_s_batch1"] for r in results
                    if r["system"] == "llama.cpp" and "decode_tok_s_batch1" in r}
     for r in results:
@@ -371,7 +401,8 @@ def main() -> int:
                 r["file_rss_bound"] = 1.15 * r["file_bytes"] + r["kv_cache_bytes"] + (1 << 30)
                 bound += f" (file: {'ok' if r['peak_rss'] <= r['file_rss_bound'] else 'over'})"
         four_bit = "q4" in r["form"] or "w4a" in r["form"]
-        ref = llamacpp_b1.get((r["shape"], "gguf-q4_0" if four_bit else "gguf-q8_0"))
+        source = r["form"].split(":")[0]  # a GGUF against llama.cpp on the same file
+        ref = llamacpp_b1.get((r["shape"], source if source in GGUF_TYPES else "gguf-q4_0" if four_bit else "gguf-q8_0"))
         b8 = r.get("decode_tok_s_batch8")
         rows.append((r["shape"], r["system"], r["form"], gb(r["file_bytes"]), f"{r['load_s']:.1f}",
                      gb(r["peak_rss_load"]), gb(r["peak_rss"]), gb(r.get("weight_bytes")), bound,

@@ -86,15 +86,43 @@ def _fused_name(name: str) -> tuple[str, int, int]:
     return name, 0, 1
 
 
+def _cat_as_int8(parts: list) -> GroupQuantized:
+    """Siblings in 8-bit and 4-bit block types (a Q4_K_M file: q and k in Q4_K, v in Q6_K) fused
+    into one int8 weight with a scale per G columns, G the smallest 8-bit group: the 8-bit parts
+    as stored (a larger group's scales repeated: exact), the 4-bit parts dequantized and rounded
+    to int8 per group of G (a step of 1/127 of the group's largest weight, against the 4-bit
+    step's 1/15 of its range). Held at 8 bits plus scales instead of 32 in float."""
+    from fivefold.models.int8_primitives import quantize_weight
+
+    group = min(p.group_size for p in parts if isinstance(p, GroupQuantized))
+    qs, scales = [], []
+    for p in parts:
+        if isinstance(p, GroupQuantized):
+            qs.append(p.q)
+            scales.append(p.scale.float().repeat_interleave(p.group_size // group, dim=1))
+        else:
+            q, scale = quantize_weight(p.dequantize(), per_channel=False, group_size=group)
+            qs.append(q)
+            scales.append(scale)
+    return GroupQuantized(torch.cat(qs), torch.cat(scales), group)
+
+
 def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int4Quantized:
     if all(isinstance(p, GroupQuantized) for p in parts):
         return GroupQuantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                               parts[0].group_size)
-    if all(isinstance(p, Int4Quantized) for p in parts) and len({p.offset is None for p in parts}) == 1:
+    if all(isinstance(p, Int4Quantized) for p in parts) and len({p.group_size for p in parts}) == 1:
+        if any(p.offset is None for p in parts) and any(p.offset is not None for p in parts):
+            # Q4_0 beside Q4_1: the symmetric parts' offset is -8 x scale (exact in float16)
+            parts = [p if p.offset is not None else Int4Quantized(p.q, p.scale, -8 * p.scale, p.group_size)
+                     for p in parts]
         offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
         return Int4Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
                              parts[0].group_size)
-    # siblings stored in different block types (a Q4_K_M-style mix): served in float
+    if all(isinstance(p, (GroupQuantized, Int4Quantized)) for p in parts) and any(
+            isinstance(p, GroupQuantized) for p in parts):
+        return _cat_as_int8(parts)
+    # siblings stored quantized and in float: served in float
     return torch.cat([p.dequantize(dtype) if isinstance(p, (GroupQuantized, Int4Quantized)) else p.to(dtype)
                       for p in parts])
 
@@ -196,7 +224,7 @@ class _Assembler:
             module.weight, module.weight_scale = weight.q, weight.scale.float()
             if bias is not None:
                 module.bias = bias
-            if form.quantization == AS_STORED and weight.q.shape[1] % 32 == 0:  # Q8_0 x Q8 activations, as llama.cpp
+            if form.quantization == AS_STORED and weight.group_size % 32 == 0:  # Q8_0 x Q8 activations, as llama.cpp
                 module.set_activations_(GGUF_ACTIVATIONS)
             return module.pack_()
         four_bit = form.quantization in ("w4a16", "w4a8")

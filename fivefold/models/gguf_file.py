@@ -7,8 +7,10 @@ them to the served dtype); Q8_0 tensors stay int8 with their scale per block of 
 scales). Q4_0 and Q4_1 tensors, when the caller keeps 4-bit blocks (``--quantization gguf``),
 become 4-bit codes with their block's float16 scale (and minimum) as they are
 (:class:`~fivefold.models.int4_linear.Int4Quantized`: groups of 32, served by the int4 kernel),
-never passing through float; otherwise they, and the block types without a kernel yet (Q4_K,
-Q5_K, Q6_K, ...), are dequantized to float32 with a one-line note saying so.
+never passing through float, and so do Q4_K's (its two scale levels multiplied into one float16
+scale and minimum per 32); Q6_K tensors become int8 codes with a float32 scale per 16 (served like
+Q8_0, always). Otherwise the 4-bit types, and the block types without a kernel yet (Q5_K, Q2_K,
+Q3_K, ...), are dequantized to float32 with a one-line note saying so.
 """
 
 from __future__ import annotations
@@ -137,21 +139,28 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-# Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0's
-# scales widened to float32, the 4-bit kernels' float16 scales and minimums as stored).
-SERVED_BITS = {"Q8_0": 9.0, "Q4_0": 4.5, "Q4_1": 5.0}
-FOUR_BIT = ("Q4_0", "Q4_1")
+# Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0
+# as stored; Q6_K's 6-bit codes widened to int8 with a float32 scale per 16; the 4-bit kernel's
+# float16 scale (and minimum) per 32, Q4_K's products of its two scale levels included).
+SERVED_BITS = {"Q8_0": 8.5, "Q6_K": 10.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 5.0}
+EIGHT_BIT = ("Q8_0", "Q6_K")  # kept int8 whatever the served dtype
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # kept 4-bit with --quantization gguf
 
 
 def gguf_served_bits(reader, keep_4bit: bool) -> float | None:
-    """Bits per projection weight as served (None: float at the served dtype): the block type of
-    every layer's ffn_down when it is one served as it is (Q8_0 always, Q4_0/Q4_1 with ``keep_4bit``)."""
-    kinds = {t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.endswith("ffn_down.weight")}
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
-    return SERVED_BITS[kind] if kind == "Q8_0" or (keep_4bit and kind in FOUR_BIT) else None
+    """Bits per projection weight as served, averaged over the layers' matrices (None: some are
+    dequantized to float at the served dtype): Q8_0 and Q6_K are always served as they are, the
+    4-bit block types with ``keep_4bit``. A Q4_K_M file mixes Q4_K and Q6_K matrices."""
+    bits = count = 0
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
+            continue
+        kind = t.tensor_type.name
+        if kind not in EIGHT_BIT and not (keep_4bit and kind in FOUR_BIT):
+            return None
+        n = int(t.n_elements)
+        bits, count = bits + SERVED_BITS[kind] * n, count + n
+    return bits / count if count else None
 
 
 Q8_0_BLOCK = 32  # weights per Q8_0 block, after a float16 scale: 34 bytes
@@ -169,6 +178,53 @@ def _q4(data: np.ndarray, shape: tuple[int, ...], has_min: bool) -> Int4Quantize
     nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, head:]))  # [blocks, 16]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(shape)
     return Int4Quantized(q.contiguous(), scale.contiguous(), offset, Q4_BLOCK)
+
+
+K_BLOCK = 256  # weights per super-block of the K-quants
+
+
+def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
+    """Q4_K super-blocks -> the int4 kernel's groups of 32, codes kept as they are. A super-block of
+    256 weights (144 bytes): float16 d and dmin, twelve bytes holding eight 6-bit scales sc_j and
+    minimums m_j, then 128 bytes of nibbles; sub-block j (32 weights) is w = d sc_j q - dmin m_j,
+    its codes the low nibbles of bytes 32 (j // 2) .. + 31 for even j, the high ones for odd j.
+    Each sub-block's scale d sc_j and minimum -dmin m_j become one float16 each: the products are
+    rounded to float16 (a relative 2^-12 at most, against the 4-bit step's 1/15 of the range), the
+    one place this load is not exact; the file holds 4.5 bits per weight, the kernel's form 5.0."""
+    blocks = np.asarray(data).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:16].astype(np.uint8)
+    # sub-blocks 0-3: bytes 0-3 (scale) and 4-7 (minimum), low 6 bits; 4-7: a nibble of bytes 8-11
+    # below the top 2 bits of bytes 0-3 (scale) and 4-7 (minimum)
+    sc = np.concatenate([packed[:, 0:4] & 63, (packed[:, 8:12] & 15) | ((packed[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # four runs of 32 bytes: sub-blocks 2i (low), 2i + 1 (high)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, K_BLOCK)
+    groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
+    scale = torch.from_numpy((d * sc).astype(np.float16).reshape(groups))
+    offset = torch.from_numpy((-(dmin * mn)).astype(np.float16).reshape(groups))
+    return Int4Quantized(torch.from_numpy(np.ascontiguousarray(q)).reshape(shape), scale, offset, Q4_BLOCK)
+
+
+Q6_K_GROUP = 16  # weights per Q6_K scale
+
+
+def _q6_k(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
+    """Q6_K super-blocks -> int8 codes (q - 32, in [-32, 31]) with a float32 scale per 16 weights,
+    exact (d sc_j is a float16 times an int8). A super-block of 256 weights (210 bytes): 128 bytes
+    of low nibbles, 64 of high bit pairs, sixteen int8 scales, float16 d. Each half of 128 weights
+    takes 64 low-nibble bytes (weights 0-63 from their low nibbles, 64-127 from their high ones)
+    and 32 bytes of pairs (weight i's two high bits at bit 2 (i // 32) of byte i % 32)."""
+    blocks = np.asarray(data).reshape(-1, 210)
+    low = blocks[:, :128].reshape(-1, 2, 1, 64)
+    low = np.concatenate([low & 15, low >> 4], axis=2).reshape(-1, 2, 128)
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high & 3).reshape(-1, 2, 128)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(shape)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    scale = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(*shape[:-1], shape[-1] // Q6_K_GROUP)
+    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale), Q6_K_GROUP)
 
 
 def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
@@ -209,6 +265,10 @@ def gguf_tensors(reader, config: ModelConfig, path: Path | None = None, keep_4bi
         kind = tensor.tensor_type
         if kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
             weight = _q8_0(tensor.data, shape)
+        elif kind == GGMLQuantizationType.Q6_K and len(shape) == 2:
+            weight = _q6_k(tensor.data, shape)
+        elif keep_4bit and kind == GGMLQuantizationType.Q4_K and len(shape) == 2:
+            weight = _q4_k(tensor.data, shape)
         elif keep_4bit and kind.name in FOUR_BIT and len(shape) == 2:
             weight = _q4(tensor.data, shape, has_min=kind == GGMLQuantizationType.Q4_1)
         elif kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
@@ -235,9 +295,9 @@ def gguf_tensors(reader, config: ModelConfig, path: Path | None = None, keep_4bi
         yield name, weight
     if dequantized:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items()))
-        served = "" if keep_4bit else "; --quantization gguf serves Q4_0/Q4_1 in 4-bit"
-        warnings.warn(f"fivefold: {where}: {kinds} dequantized to float on load (Q8_0 stays int8{served}; "
-                      f"Q4_K/Q5_K/Q6_K have no kernel yet)", stacklevel=2)
+        served = "" if keep_4bit else "; --quantization gguf serves Q4_0/Q4_1/Q4_K in 4-bit"
+        warnings.warn(f"fivefold: {where}: {kinds} dequantized to float on load (Q8_0 and Q6_K stay int8{served}; "
+                      f"Q5_K and the other block types have no kernel yet)", stacklevel=2)
 
 
 def _unpermute(weight, num_heads: int):

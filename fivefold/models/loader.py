@@ -199,7 +199,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32",
 
         keep_4bit = quantization == "gguf"
         stored_bits = gguf_served_bits(reader, keep_4bit)
-        four_bit_file = not keep_4bit and gguf_served_bits(reader, True) in (4.5, 5.0)
+        four_bit_file = not keep_4bit and (gguf_served_bits(reader, True) or 8.0) < 8.0
         bits = stored_bits if stored_bits is not None else ON_LOAD_BITS.get(quantization, 8.0)
         is_int8 = quantization is not None or stored_bits is not None
         weights = gguf_tensors(reader, config, location, keep_4bit=keep_4bit)
@@ -366,8 +366,12 @@ def state_entries(model: torch.nn.Module) -> dict[str, tuple[tuple, torch.dtype,
             if not module.format.symmetric:
                 entries[prefix + "offset"] = ((module.out_features, groups), torch.float16,
                                               lambda m=module: m.codes()[2])
-        elif isinstance(module, Int8Linear) and module._buffers["weight"] is None:
-            entries[prefix + "weight"] = ((module.out_features, module.in_features), torch.int8, module.int8_weight)
+        elif isinstance(module, Int8Linear):
+            if module._buffers["weight"] is None:
+                entries[prefix + "weight"] = ((module.out_features, module.in_features), torch.int8, module.int8_weight)
+            if module._buffers["weight_scale"] is None:  # held as the kernel's float16 tile-major copy
+                entries[prefix + "weight_scale"] = ((module.out_features, module.in_features // module.group_size),
+                                                    torch.float32, module.weight_scales)
         elif isinstance(module, PackedLinear):
             entries[prefix + "weight"] = ((module.out_features, module.in_features), module.packed_weight.dtype,
                                           module.unpacked_weight)

@@ -22,10 +22,11 @@ def _random_k_quant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
 
     block, nbytes = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    scale = np.full((rows, cols // block, 1), 0.01, dtype=np.float16).view(np.uint8)  # 2 bytes
+    # a different d (and dmin) per block, so a block read with another's scale shows
+    scale = rng.uniform(0.005, 0.02, size=(rows, cols // block, 1)).astype(np.float16).view(np.uint8)  # 2 bytes
     if qtype == GGMLQuantizationType.Q4_K:  # d, dmin lead the block
         data[..., 0:2] = scale
-        data[..., 2:4] = scale
+        data[..., 2:4] = rng.uniform(0.005, 0.02, size=(rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     else:  # Q6_K: d trails the block
         data[..., -2:] = scale
     return data.reshape(rows, -1)
@@ -100,9 +101,10 @@ def test_tensor_types_dequantize(qtype, tmp_path):
     config = gguf_config(reader, tmp_path / "m.gguf")
     tensors = dict(gguf_tensors(reader, config))
     read = tensors["model.layers.0.mlp.down_proj.weight"]
-    if qtype == "Q8_0":
-        assert isinstance(read, GroupQuantized) and read.group_size == 32 and read.scale.shape == (HIDDEN, INTER // 32)
-        assert read.q.dtype == torch.int8
+    if qtype in ("Q8_0", "Q6_K"):  # kept int8: Q8_0 with a scale per 32, Q6_K's codes - 32 with one per 16
+        group = 32 if qtype == "Q8_0" else 16
+        assert isinstance(read, GroupQuantized) and read.group_size == group
+        assert read.scale.shape == (HIDDEN, INTER // group) and read.q.dtype == torch.int8
         # the int8 values and scales are the file's: they dequantize to exactly what gguf computes
         import gguf
 

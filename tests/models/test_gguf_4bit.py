@@ -22,7 +22,7 @@ from fivefold.models.assemble import ServedForm, assemble
 from fivefold.models.forward import prefill_logits
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from fivefold.models.int4_linear import Int4Linear, Int4Quantized, dequantize_activations, quantize_activations
-from fivefold.models.int8_linear import Int8Linear
+from fivefold.models.int8_linear import Int8Linear, dense_weight
 from fivefold.models.layers import HeadRowsEmbedding, resident_weight_bytes
 from fivefold.models.registry import BUILTIN_MODELS, DEFAULT_LLM
 from tests.conftest import save_random_hf_model
@@ -89,7 +89,7 @@ def test_q4_blocks_are_kept_as_codes_that_dequantize_exactly(qtype, tmp_path):
     want_q = gguf.quants.dequantize(raw["blk.0.attn_q.weight"].data, raw["blk.0.attn_q.weight"].tensor_type)
     assert np.array_equal(repermuted.numpy(), want_q.reshape(HIDDEN, HIDDEN))
     # without keep_4bit (the default) the same blocks are dequantized to float32, with a note
-    with pytest.warns(UserWarning, match="--quantization gguf serves Q4_0/Q4_1 in 4-bit"):
+    with pytest.warns(UserWarning, match="--quantization gguf serves Q4_0/Q4_1/Q4_K in 4-bit"):
         floats = dict(gguf_tensors(reader, config))
     assert floats["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
 
@@ -131,6 +131,102 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     # 4-bit codes and float16 scales: well under a third of the float32 model's bytes
     assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 3
+
+
+def test_q4_k_blocks_become_int4_groups_of_32_within_float16_rounding(tmp_path):
+    """Q4_K super-blocks (--quantization gguf): each sub-block of 32 becomes a group of the int4
+    kernel with the file's codes, its scale d sc_j and minimum dmin m_j multiplied out and rounded to
+    float16: within that rounding of what gguf dequantizes, rows and groups in place (the q rows
+    through llama.cpp's RoPE un-permutation too)."""
+    import gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": "Q4_K", "blk.0.attn_q.weight": "Q4_K"})
+    reader = open_gguf(tmp_path / "m.gguf")
+    config = gguf_config(reader, tmp_path / "m.gguf")
+    tensors = dict(gguf_tensors(reader, config, keep_4bit=True))
+    raw = {t.name: t for t in reader.tensors}
+    for name, gguf_name, rows in (("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight", None),
+                                  ("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight", HEADS)):
+        read = tensors[name]
+        assert isinstance(read, Int4Quantized) and read.group_size == 32 and read.offset is not None
+        ours = read.dequantize()
+        if rows is not None:  # back to the file's row order
+            ours = ours.reshape(rows, 2, HIDDEN // rows // 2, -1).transpose(1, 2).reshape(ours.shape)
+        want = torch.from_numpy(gguf.quants.dequantize(raw[gguf_name].data, raw[gguf_name].tensor_type)).reshape(ours.shape)
+        # |error| <= 15 |d sc| 2^-11 + |dmin m| 2^-11 per weight; d, dmin < 0.02 and sc, m < 64 here
+        assert float((ours - want).abs().max()) <= 16 * 0.02 * 64 * 2 ** -11
+        q = read.q.reshape(-1, 32).float()
+        assert torch.equal(read.q, read.q.clamp(0, 15))
+        assert q.std() > 3  # the codes are the file's nibbles, not a constant
+
+
+def test_q4_k_m_file_served_as_it_is(tmp_path):
+    """A Q4_K_M-like file (Q4_K projections, Q6_K ffn_down and attn_v, a Q6_K tied table) with
+    --quantization gguf: Q4_K layers run the int4 kernel against int8 activations, Q6_K layers the
+    int8 kernel with a float32 scale per 16 (float activations); each layer computes what its
+    dequantized weight computes, the logits agree with the dequantized model's, and the weights are
+    held at 5.0 bits (Q4_K) and 10 (Q6_K), not in float."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_K"), "blk.0.ffn_down.weight": "Q6_K",
+                           "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
+    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    kinds = {n: type(m).__name__ for n, m in served.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
+    # v is Q6_K but fused with q and k (Q4_K): the fused projection takes the wider form, int8
+    assert kinds["layers.0.self_attn.qkv_proj"] == "Int8Linear" and kinds["layers.0.self_attn.o_proj"] == "Int4Linear"
+    assert kinds["layers.0.mlp.down_proj"] == "Int8Linear" and kinds["layers.0.mlp.gate_up_proj"] == "Int4Linear"
+    assert kinds["lm_head"] == "Int8Linear" and isinstance(served.embed_tokens, HeadRowsEmbedding)
+    for name, module in served.named_modules():
+        if isinstance(module, Int8Linear):
+            assert module.group_size == 16 and not module.int8_activations, name
+        elif isinstance(module, Int4Linear):
+            assert module.int8_activations, name
+        else:
+            continue
+        dense = (module.dequantized_weight() if isinstance(module, Int4Linear)
+                 else module.rows(torch.arange(module.out_features)))
+        ref_module = reference.get_submodule(name)  # float, or Q6_K kept int8 (always)
+        ref_dense = (ref_module.rows(torch.arange(ref_module.out_features)) if isinstance(ref_module, Int8Linear)
+                     else dense_weight(ref_module))
+        error = (dense - ref_dense).abs()
+        float16_bound = 16 * 0.02 * 64 * 2 ** -11  # Q4_K's two scale levels multiplied into float16
+        if name == "layers.0.self_attn.qkv_proj":  # q, k rounded to int8 per 16 (v as stored): half a step
+            step = module.weight_scales().abs().repeat_interleave(16, dim=1)
+            assert bool((error <= step * 0.5001 + float16_bound).all())
+            assert float(error[-HIDDEN // 2:].max()) == 0  # v's rows: the file's Q6_K values exactly
+        elif isinstance(module, Int8Linear):  # Q6_K as stored
+            assert float(error.max()) == 0, name
+        else:  # Q4_K
+            assert float(error.max()) <= float16_bound, name
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
+            xin = fake_int8(x) if module.int8_activations else x
+            with torch.inference_mode():
+                want = nn.functional.linear(xin.double(), dense.double()).float()
+                torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    with torch.inference_mode(), int8_inputs(reference, int8_input_layers(served)):
+        ours, ref = prefill_logits(served, IDS), prefill_logits(reference, IDS)
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    # held at 5 bits per weight (Q4_K: codes, a float16 scale and minimum per 32) and 10 (Q6_K and
+    # the fused qkv: int8, a float32 scale per 16), plus the float norms: nothing in float beside them
+    for m in served.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):  # (an int8 layer's three activation-quantization scalars: 16 bytes)
+            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 10 / 8)
+            assert resident_weight_bytes(m) - held in (0, 16), m
+    assert isinstance(served.embed_tokens, HeadRowsEmbedding) and resident_weight_bytes(served.embed_tokens) == 0
+    # the memory plan's bits per layer weight: the file's mix as served; without keep_4bit, float
+    from fivefold.models.gguf_file import gguf_served_bits
+    from fivefold.models.native_decode import NativeDecoder
+
+    layer = {t.name: int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    six = layer["blk.0.ffn_down.weight"] + layer["blk.0.attn_v.weight"]
+    assert gguf_served_bits(reader, True) == pytest.approx((10 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
+    assert gguf_served_bits(reader, False) is None
+    assert NativeDecoder.unsupported_reason(served) is None  # the C++ decode loop runs the mix
 
 
 def test_q8_0_served_as_stored_multiplies_int8_activations(tmp_path):
