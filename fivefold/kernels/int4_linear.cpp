@@ -319,6 +319,7 @@ struct Int8Rows {
   const int32_t* qsum; // [M, K / kBlock]: each block's sum of codes
   const float* xsum;   // [M, groups]: each group's sum of the dequantized row, divided by kLanes
   int64_t K, blocks, groups;
+  const int32_t* half_qsum = nullptr;  // [M, 2 blocks]: each half block's sum of codes (groups of 16)
 };
 
 #if defined(FIVEFOLD_A8)
@@ -431,15 +432,17 @@ struct BlockBytes {
   }
 };
 
-template <int C>
+// Steps [T0, T1) of a block (all of it, or one half of 16 columns for Q6_K's groups); qsum: the
+// sum of the codes of those columns (the VNNI path's fold of the +128).
+template <int C, int T0 = 0, int T1 = kQ8Steps>
 inline IVec block_dot_q8(const BlockBytes<C>& b, const int8_t* xq, int32_t qsum) {
 #if defined(__AVX512VNNI__)
   IVec acc = _mm512_set1_epi32(-(128 / kLanes) * qsum);
-  for (int64_t t = 0; t < kQ8Steps; ++t) acc = _mm512_dpbusd_epi32(acc, b.v[t], xbroadcast(xq + t * kWidth));
+  for (int64_t t = T0; t < T1; ++t) acc = _mm512_dpbusd_epi32(acc, b.v[t], xbroadcast(xq + t * kWidth));
   return acc;
 #elif defined(__AVX512F__)
   IVec acc = _mm512_setzero_si512();
-  for (int64_t t = 0; t < kQ8Steps; ++t) {
+  for (int64_t t = T0; t < T1; ++t) {
     const __m512i x = xbroadcast(xq + t * kWidth);
     const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(b.v[t]), _mm512_setzero_si512(), x);
     acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(b.v[t]), signed_x),
@@ -449,7 +452,7 @@ inline IVec block_dot_q8(const BlockBytes<C>& b, const int8_t* xq, int32_t qsum)
   return acc;
 #else
   IVec acc = _mm256_setzero_si256();
-  for (int64_t t = 0; t < kQ8Steps; ++t) {
+  for (int64_t t = T0; t < T1; ++t) {
     const __m256i x = xbroadcast(xq + t * kWidth);
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b.v[t]), _mm256_sign_epi8(x, b.v[t])),
                                                   _mm256_set1_epi16(1)));
@@ -505,6 +508,25 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
   const int8_t* p = wt;
   const int64_t blocks_per_group = group_cols / kBlock;
   int64_t blk = 0;
+  if (group_cols == kBlock / 2) {  // GGUF Q6_K: a scale per half block, each half its own dot product
+    constexpr int kHalf = static_cast<int>(kQ8Steps / 2);
+    for (; blk < a.blocks; ++blk, p += C * kWidth * kQ8Steps) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
+      const BlockBytes<C> bytes(p);
+      const Vec s0 = q8_scales<Half, C>(scale, n, 2 * blk), s1 = q8_scales<Half, C>(scale, n, 2 * blk + 1);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m + r) * a.blocks + blk;
+        const int8_t* xr = a.xq + (m + r) * a.K + blk * kBlock;
+        const Vec d = vset1(a.d[at]);
+        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf>(bytes, xr, a.half_qsum[2 * at])), vmul(d, s0), acc[r]);
+        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf>(bytes, xr, a.half_qsum[2 * at + 1])), vmul(d, s1),
+                      acc[r]);
+      }
+    }
+    store_rows<R, C>(acc, m, n, y, N, bias);
+    return;
+  }
   if (blocks_per_group == 1) {  // GGUF Q8_0: a scale per block, folded into the block's activation scale
     for (; blk < a.blocks; ++blk, p += C * kWidth * kQ8Steps) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
@@ -843,7 +865,7 @@ torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::o
 }
 
 // int8 weights (fivefold::stream_pack's layout of int8 [N, K], K a multiple of 32) with a float32
-// scale per output channel ([N]) or per group of columns ([N, groups], GGUF Q8_0: 32), times x
+// scale per output channel ([N]) or per group of columns ([N, groups], GGUF Q8_0: 32, Q6_K: 16), times x
 // [M, K] float32 quantized per row and block of 32 here (W8A8 dynamic, the way llama.cpp runs
 // Q8_0): y = sum_groups scale * sum_blocks d * sum q xq, + bias.
 torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
@@ -857,10 +879,12 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   // float16 scales: int4_pack_groups' tile-major order; float32: row-major
   const bool half = scale.scalar_type() == torch::kHalf;
   const torch::Tensor sc = half ? scale.contiguous() : scale.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 && (K / sc.size(1)) % kBlock == 0)) &&
+  TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 &&
+                                                   ((K / sc.size(1)) % kBlock == 0 || K / sc.size(1) == kBlock / 2))) &&
                   (!half || sc.dim() == 2),
               "int8_weight_linear_a8: scale must be float32 [", N, "] or [", N, ", groups] (float16 from int4_pack_groups)",
-              " with groups of a multiple of ", kBlock, " columns, got ", scale.scalar_type(), " ", scale.sizes());
+              " with groups of ", kBlock / 2, " columns or a multiple of ", kBlock, ", got ", scale.scalar_type(), " ",
+              scale.sizes());
   const int64_t groups = sc.dim() == 1 ? 1 : sc.size(1), group_cols = K / groups;
   torch::Tensor bias;
   if (bias_opt.has_value() && bias_opt->defined() && bias_opt->numel() > 0) {
@@ -876,8 +900,12 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   auto xsum = torch::empty({M, 1}, xf.options());
   auto qsum = torch::empty({M, K / kBlock}, xf.options().dtype(torch::kInt32));
   int8_group_sums(xq.data_ptr<int8_t>(), d.data_ptr<float>(), M, K, K, qsum.data_ptr<int32_t>(), xsum.data_ptr<float>());
+  torch::Tensor half_qsum;
+  if (group_cols == kBlock / 2) {  // each half block's code sum (the VNNI path folds its +128 per half)
+    half_qsum = xq.view({M * K / (kBlock / 2), kBlock / 2}).sum(at::IntArrayRef{1}, false, torch::kInt32);
+  }
   const Int8Rows a{xq.data_ptr<int8_t>(), d.data_ptr<float>(), qsum.data_ptr<int32_t>(), xsum.data_ptr<float>(), K,
-                   K / kBlock, 1};
+                   K / kBlock, 1, half_qsum.defined() ? half_qsum.data_ptr<int32_t>() : nullptr};
   auto y = torch::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();

@@ -224,7 +224,7 @@ class _Assembler:
             module.weight, module.weight_scale = weight.q, weight.scale.float()
             if bias is not None:
                 module.bias = bias
-            if form.quantization == AS_STORED and weight.group_size % 32 == 0:  # Q8_0 x Q8 activations, as llama.cpp
+            if form.quantization == AS_STORED and weight.group_size in (16, 32):  # Q8_0, Q6_K x Q8 activations, as llama.cpp
                 module.set_activations_(GGUF_ACTIVATIONS)
             return module.pack_()
         four_bit = form.quantization in ("w4a16", "w4a8")

@@ -357,9 +357,11 @@ class Int8Linear(nn.Module):
         """W8A16 only: multiply "float" or "int8" activations (per row and block of 32) by the weights."""
         if activations not in ("float", "int8"):
             raise FivefoldError(f"activations must be float or int8, got '{activations}'")
-        if activations == "int8" and (self.scheme != "w8a16" or self.in_features % 32):
-            raise FivefoldError(f"int8 activations need a W8A16 layer with in_features a multiple of 32, got "
-                                f"{self.scheme} with {self.in_features}")
+        groups_fit = self.group_size is None or self.group_size == 16 or self.group_size % 32 == 0
+        if activations == "int8" and (self.scheme != "w8a16" or self.in_features % 32 or not groups_fit):
+            raise FivefoldError(f"int8 activations need a W8A16 layer with in_features a multiple of 32 and groups "
+                                f"of 16 or a multiple of 32, got {self.scheme} with {self.in_features} "
+                                f"(groups of {self.group_size})")
         self.int8_activations = activations == "int8"
         return self
 

@@ -118,10 +118,11 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
-@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (67, 576, 32), (6, 256, None), (3, 96, 32)])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (67, 576, 32), (6, 256, None), (3, 96, 32), (67, 576, 16),
+                                       (3, 96, 16)])
 def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
-    """fivefold::int8_weight_linear_a8 (a GGUF's Q8_0 served as stored): stream_pack's int8 weights,
-    a scale per group of 32 or per channel, times the rows quantized per block of 32."""
+    """fivefold::int8_weight_linear_a8 (a GGUF's Q8_0 or Q6_K served as stored): stream_pack's int8
+    weights, a scale per group of 32, of 16 or per channel, times the rows quantized per block of 32."""
     from fivefold.kernels import stream_ops
 
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -154,7 +155,8 @@ def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k):
     assert torch.equal(stream_ops().stream_linear(x, w, packed, bias), stream_ops().stream_linear(x, w, scale, bias))
 
 
-def test_int8_weight_sums_are_exact_on_saturating_operands():
+@pytest.mark.parametrize("group", [32, 16])
+def test_int8_weight_sums_are_exact_on_saturating_operands(group):
     """Weights -128 and 127 against activations -127 and 127 (every block's amax 127, so d = 1),
     scales 1: the int64 dot product exactly. VNNI adds 128 to each weight and folds 128 x sum(x)
     back out; AVX2 multiplies |w| by x * sign(w), whose pairs stay under 32767 even at w = -128."""
@@ -169,7 +171,8 @@ def test_int8_weight_sums_are_exact_on_saturating_operands():
     x[2, ::2] = -127
     x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(2)).float()
     x[3, ::32] = 127
-    y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // 32), None)
+    # groups of 16 (Q6_K): each half block its own dot product, VNNI's +128 folded per half
+    y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // group), None)
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
 
 

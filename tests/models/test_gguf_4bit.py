@@ -162,8 +162,8 @@ def test_q4_k_blocks_become_int4_groups_of_32_within_float16_rounding(tmp_path):
 
 def test_q4_k_m_file_served_as_it_is(tmp_path):
     """A Q4_K_M-like file (Q4_K projections, Q6_K ffn_down and attn_v, a Q6_K tied table) with
-    --quantization gguf: Q4_K layers run the int4 kernel against int8 activations, Q6_K layers the
-    int8 kernel with a float32 scale per 16 (float activations); each layer computes what its
+    --quantization gguf: Q4_K layers run the int4 kernel, Q6_K layers the int8 kernel with a float32
+    scale per 16, both against int8 activations (as llama.cpp); each layer computes what its
     dequantized weight computes, the logits agree with the dequantized model's, and the weights are
     held at 5.0 bits (Q4_K) and 10 (Q6_K), not in float."""
     path = tmp_path / "m.gguf"
@@ -182,7 +182,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     assert kinds["lm_head"] == "Int8Linear" and isinstance(served.embed_tokens, HeadRowsEmbedding)
     for name, module in served.named_modules():
         if isinstance(module, Int8Linear):
-            assert module.group_size == 16 and not module.int8_activations, name
+            assert module.group_size == 16 and module.int8_activations, name
         elif isinstance(module, Int4Linear):
             assert module.int8_activations, name
         else:
