@@ -133,6 +133,18 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
     assert resident_weight_bytes(served.model) < resident_weight_bytes(reference.model) / 3
 
 
+def _reference_and_served(path):
+    """(reader, config, the file dequantized to float (Q8_0/Q6_K kept int8), the file served as
+    stored with --quantization gguf)."""
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
+    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    return reader, config, reference, served
+
+
 def test_q4_k_blocks_become_int4_groups_of_32_within_float16_rounding(tmp_path):
     """Q4_K super-blocks (--quantization gguf): each sub-block of 32 becomes a group of the int4
     kernel with the file's codes, its scale d sc_j and minimum dmin m_j multiplied out and rounded to
@@ -169,12 +181,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_K"), "blk.0.ffn_down.weight": "Q6_K",
                            "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
-    reader = open_gguf(path)
-    config = gguf_config(reader, path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
-    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    reader, config, reference, served = _reference_and_served(path)
     kinds = {n: type(m).__name__ for n, m in served.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
     # v is Q6_K but fused with q and k (Q4_K): the fused projection takes the wider form, int8
     assert kinds["layers.0.self_attn.qkv_proj"] == "Int8Linear" and kinds["layers.0.self_attn.o_proj"] == "Int4Linear"
@@ -261,12 +268,7 @@ def test_tied_table_is_held_once_and_looked_up_in_the_heads_blocks(table, tmp_pa
     values, for ids in any tile of the kernels' layouts; the engine's bytes drop by the float table."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_0"), "token_embd.weight": table})
-    reader = open_gguf(path)
-    config = gguf_config(reader, path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = assemble(config, gguf_tensors(reader, config, path), ServedForm())
-    served = assemble(config, gguf_tensors(reader, config, path, keep_4bit=True), ServedForm(quantization="gguf"))
+    _, config, reference, served = _reference_and_served(path)
     embed = served.embed_tokens
     assert isinstance(embed, HeadRowsEmbedding) and served.dtype == torch.float32
     assert isinstance(served.lm_head, Int4Linear if table != "Q8_0" else Int8Linear)
