@@ -90,8 +90,9 @@ def _cat_as_int8(parts: list) -> GroupQuantized:
     """Siblings in 8-bit and 4-bit block types (a Q4_K_M file: q and k in Q4_K, v in Q6_K) fused
     into one int8 weight with a scale per G columns, G the smallest 8-bit group: the 8-bit parts
     as stored (a larger group's scales repeated: exact), the 4-bit parts dequantized and rounded
-    to int8 per group of G (a step of 1/127 of the group's largest weight, against the 4-bit
-    step's 1/15 of its range). Held at 8 bits plus scales instead of 32 in float."""
+    to int8 per group of G against float16 scales (a step of 1/127 of the group's largest weight,
+    against the 4-bit step's 1/15 of its range). Held at 8 bits plus a float16 scale per G
+    instead of 32 bits in float."""
     from fivefold.models.int8_primitives import quantize_weight
 
     group = min(p.group_size for p in parts if isinstance(p, GroupQuantized))
@@ -101,7 +102,7 @@ def _cat_as_int8(parts: list) -> GroupQuantized:
             qs.append(p.q)
             scales.append(p.scale.float().repeat_interleave(p.group_size // group, dim=1))
         else:
-            q, scale = quantize_weight(p.dequantize(), per_channel=False, group_size=group)
+            q, scale = quantize_weight(p.dequantize(), per_channel=False, group_size=group, float16_scales=True)
             qs.append(q)
             scales.append(scale)
     return GroupQuantized(torch.cat(qs), torch.cat(scales), group)

@@ -8,7 +8,7 @@ scales). Q4_0 and Q4_1 tensors, when the caller keeps 4-bit blocks (``--quantiza
 become 4-bit codes with their block's float16 scale (and minimum) as they are
 (:class:`~fivefold.models.int4_linear.Int4Quantized`: groups of 32, served by the int4 kernel),
 never passing through float, and so do Q4_K's (its two scale levels multiplied into one float16
-scale and minimum per 32); Q6_K tensors become int8 codes with a float32 scale per 16 (served like
+scale and minimum per 32); Q6_K tensors become int8 codes with a float16 scale per 16 (served like
 Q8_0, always). Otherwise the 4-bit types, and the block types without a kernel yet (Q5_K, Q2_K,
 Q3_K, ...), are dequantized to float32 with a one-line note saying so.
 """
@@ -140,9 +140,9 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0
-# as stored; Q6_K's 6-bit codes widened to int8 with a float32 scale per 16; the 4-bit kernel's
+# as stored; Q6_K's 6-bit codes widened to int8 with a float16 scale per 16; the 4-bit kernel's
 # float16 scale (and minimum) per 32, Q4_K's products of its two scale levels included).
-SERVED_BITS = {"Q8_0": 8.5, "Q6_K": 10.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 5.0}
+SERVED_BITS = {"Q8_0": 8.5, "Q6_K": 9.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 5.0}
 EIGHT_BIT = ("Q8_0", "Q6_K")  # kept int8 whatever the served dtype
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # kept 4-bit with --quantization gguf
 
@@ -211,8 +211,10 @@ Q6_K_GROUP = 16  # weights per Q6_K scale
 
 
 def _q6_k(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
-    """Q6_K super-blocks -> int8 codes (q - 32, in [-32, 31]) with a float32 scale per 16 weights,
-    exact (d sc_j is a float16 times an int8). A super-block of 256 weights (210 bytes): 128 bytes
+    """Q6_K super-blocks -> int8 codes (q - 32, in [-32, 31]) with a scale per 16 weights: the
+    product d sc_j (a float16 times an int8) rounded to float16 (relative 2^-12 at most, as Q4_K's),
+    so that the int8 kernels hold it as Q8_0's scales, 2 bytes in tile order (9 bits per weight;
+    a float32 table read row-major ran the kernel at a third of Q8_0's rate). A super-block of 256 weights (210 bytes): 128 bytes
     of low nibbles, 64 of high bit pairs, sixteen int8 scales, float16 d. Each half of 128 weights
     takes 64 low-nibble bytes (weights 0-63 from their low nibbles, 64-127 from their high ones)
     and 32 bytes of pairs (weight i's two high bits at bit 2 (i // 32) of byte i % 32)."""
@@ -223,7 +225,8 @@ def _q6_k(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
     high = (high & 3).reshape(-1, 2, 128)
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(shape)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-    scale = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(*shape[:-1], shape[-1] // Q6_K_GROUP)
+    scale = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16).astype(np.float32)
+    scale = scale.reshape(*shape[:-1], shape[-1] // Q6_K_GROUP)
     return GroupQuantized(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale), Q6_K_GROUP)
 
 

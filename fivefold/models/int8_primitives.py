@@ -30,14 +30,18 @@ def weight_scales(w: torch.Tensor, per_channel: bool = True, absmax: torch.Tenso
     return (absmax.float().clamp(min=_EPS) / WEIGHT_QMAX).contiguous()
 
 
-def quantize_weight(w: torch.Tensor, per_channel: bool = True,
-                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, per_channel: bool = True, group_size: int | None = None,
+                    float16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [N, K], float32 scales [N]): round to nearest, symmetric. With ``group_size`` G (K a
-    multiple of it), one scale per G consecutive weights of a row: scales [N, K / G]."""
+    multiple of it), one scale per G consecutive weights of a row: scales [N, K / G];
+    ``float16_scales``: each group's scale rounded to a float16 value first (the codes rounded
+    against it), so that the int8 kernels hold it in 2 bytes, as a GGUF block's."""
     if group_size is not None:
         n, k = w.shape
         groups = w.float().reshape(n, k // group_size, group_size)
         scales = (groups.abs().amax(dim=2).clamp(min=_EPS) / WEIGHT_QMAX).contiguous()
+        if float16_scales:  # never 0: the smallest float16 subnormal at least
+            scales = scales.half().float().clamp(min=2.0 ** -24)
         q = torch.clamp(torch.round(groups / scales[:, :, None]), -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
         return q.reshape(n, k).contiguous(), scales
     scales = weight_scales(w, per_channel)

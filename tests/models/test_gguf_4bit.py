@@ -174,10 +174,11 @@ def test_q4_k_blocks_become_int4_groups_of_32_within_float16_rounding(tmp_path):
 
 def test_q4_k_m_file_served_as_it_is(tmp_path):
     """A Q4_K_M-like file (Q4_K projections, Q6_K ffn_down and attn_v, a Q6_K tied table) with
-    --quantization gguf: Q4_K layers run the int4 kernel, Q6_K layers the int8 kernel with a float32
+    --quantization gguf: Q4_K layers run the int4 kernel, Q6_K layers the int8 kernel with a float16
     scale per 16, both against int8 activations (as llama.cpp); each layer computes what its
     dequantized weight computes, the logits agree with the dequantized model's, and the weights are
-    held at 5.0 bits (Q4_K) and 10 (Q6_K), not in float."""
+    held at 5.0 bits (Q4_K) and 9 (Q6_K: int8 and a float16 scale per 16, in the kernel's tile
+    order), not in float."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_K"), "blk.0.ffn_down.weight": "Q6_K",
                            "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
@@ -201,12 +202,13 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
                      else dense_weight(ref_module))
         error = (dense - ref_dense).abs()
         float16_bound = 16 * 0.02 * 64 * 2 ** -11  # Q4_K's two scale levels multiplied into float16
+        relative = ref_dense.abs() * 2 ** -11  # Q6_K's d x sc rounded to float16
         if name == "layers.0.self_attn.qkv_proj":  # q, k rounded to int8 per 16 (v as stored): half a step
             step = module.weight_scales().abs().repeat_interleave(16, dim=1)
             assert bool((error <= step * 0.5001 + float16_bound).all())
-            assert float(error[-HIDDEN // 2:].max()) == 0  # v's rows: the file's Q6_K values exactly
+            assert bool((error <= relative)[-HIDDEN // 2:].all())  # v's rows: the file's Q6_K values
         elif isinstance(module, Int8Linear):  # Q6_K as stored
-            assert float(error.max()) == 0, name
+            assert bool((error <= relative).all()), name
         else:  # Q4_K
             assert float(error.max()) <= float16_bound, name
         for rows in (1, 5, 70):
@@ -218,11 +220,11 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     with torch.inference_mode(), int8_inputs(reference, int8_input_layers(served)):
         ours, ref = prefill_logits(served, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    # held at 5 bits per weight (Q4_K: codes, a float16 scale and minimum per 32) and 10 (Q6_K and
-    # the fused qkv: int8, a float32 scale per 16), plus the float norms: nothing in float beside them
+    # held at 5 bits per weight (Q4_K: codes, a float16 scale and minimum per 32) and 9 (Q6_K and
+    # the fused qkv: int8, a float16 scale per 16), plus the float norms: nothing in float beside them
     for m in served.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):  # (an int8 layer's three activation-quantization scalars: 16 bytes)
-            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 10 / 8)
+            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 9 / 8)
             assert resident_weight_bytes(m) - held in (0, 16), m
     assert isinstance(served.embed_tokens, HeadRowsEmbedding) and resident_weight_bytes(served.embed_tokens) == 0
     # the memory plan's bits per layer weight: the file's mix as served; without keep_4bit, float
@@ -231,7 +233,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
 
     layer = {t.name: int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     six = layer["blk.0.ffn_down.weight"] + layer["blk.0.attn_v.weight"]
-    assert gguf_served_bits(reader, True) == pytest.approx((10 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
+    assert gguf_served_bits(reader, True) == pytest.approx((9 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
     assert gguf_served_bits(reader, False) is None
     assert NativeDecoder.unsupported_reason(served) is None  # the C++ decode loop runs the mix
 
