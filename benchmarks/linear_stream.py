@@ -25,7 +25,7 @@ Backends:
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,q8_0] [--shapes smollm2|llama3b|llama8b]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,q4_0,q8_0] [--shapes smollm2|llama3b|llama8b]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -53,7 +53,9 @@ HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 INT4_GROUP = 32
 # q8_0: GGUF Q8_0's form, int8 weights with one scale per 32 (the bytes counted: the file's, a
 # float16 scale per block, 8.5 bits per weight)
-BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "q8_0": 1 + 2 / 32}
+# float16 scale per block, 8.5 bits per weight); q4_0: GGUF Q4_0's, symmetric codes with a float16
+# scale per 32 (4.5 bits)
+BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "q8_0": 1 + 2 / 32, "q4_0": 0.5 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
 # and the per-call cost (the Python call, the thread team, quantizing one activation row) is small.
@@ -86,9 +88,10 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
     for _ in range(num_copies):
         copy = []
         for n, k in SHAPES:
-            if dtype == "int4":  # codes, float16 scales and minimums per group of 32
+            if dtype in ("int4", "q4_0"):  # codes, float16 scales (and minimums for int4) per group of 32
                 copy.append((torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
                              ((torch.rand(n, k // INT4_GROUP, generator=generator) / 100).half(),
+                              None if dtype == "q4_0" else
                               (torch.randn(n, k // INT4_GROUP, generator=generator) / 10).half())))
             elif dtype == "q8_0":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
@@ -103,12 +106,13 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
 
 
 def backends(dtype: str):
-    if dtype == "int4":
+    if dtype in ("int4", "q4_0"):
         ops4 = int4_ops()
         if ops4 is None:
             return {}
-        def pack(q, so):
-            return ops4.int4_pack(q), ops4.int4_pack_groups(so[0], True), ops4.int4_pack_groups(so[1], True)
+        def pack(q, so):  # q4_0: no offsets (w = s (q - 8))
+            return (ops4.int4_pack(q), ops4.int4_pack_groups(so[0], True),
+                    None if so[1] is None else ops4.int4_pack_groups(so[1], True))
 
         # stream: float activations (W4A16); stream-a8: int8 activations per block of 32, integer
         # dot products (W4A8, the quantization of x included in the time)
@@ -192,7 +196,7 @@ def main() -> None:
         model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4", "q8_0") else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4", "q8_0", "q4_0") else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

@@ -30,7 +30,13 @@ decode tokens/s at batch 1 and 8 (128-token held-out
 prompts, 64 new tokens, EOS ignored, greedy; prefill excluded). llama.cpp (``~/peers/llamacpp``, see
 ``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed.
 
-    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:w8a16,gguf-q8_0:float32,gguf-q4_0:gguf]
+This VM's memory bandwidth drifts by up to 1.6x from minute to minute, so a single fivefold run
+and a single llama.cpp run a minute apart can differ by that much whichever is faster.
+``--repeats N`` runs the whole set N times, the systems alternating (fivefold's forms, then
+llama.cpp's files, then again), and reports each row's median decode rate (the samples in the JSON
+line), the largest peak RSS and the median load time.
+
+    .venv/bin/python benchmarks/scale.py [--shapes 1b,3b,8b] [--forms bf16-dir:w8a16,gguf-q8_0:float32,gguf-q4_0:gguf] [--repeats 3]
 
 Prints a table and one JSON line.
 """
@@ -343,6 +349,33 @@ def measure_llamacpp(path: Path) -> dict:
     return run_child([str(LLAMACPP_PYTHON), "-c", LLAMACPP_CHILD, str(path), json.dumps(prompt), str(NEW_TOKENS)])
 
 
+def brief(run: dict) -> str:
+    """One run's decode rates (or its error), printed as it ends."""
+    if "error" in run:
+        return f"error: {run['error']}"
+    return ", ".join(f"b{k.removeprefix('decode_tok_s_batch')} {v:.2f} tok/s" for k, v in run.items()
+                     if k.startswith("decode_tok_s"))
+
+
+def combine(samples: list[dict]) -> dict:
+    """One row from repeated runs: median rates and load time, the largest peak RSS, the samples."""
+    import statistics
+
+    ok = [r for r in samples if "error" not in r]
+    if not ok:
+        return samples[0]
+    out = dict(ok[0])
+    for key in list(out):
+        values = [r[key] for r in ok]
+        if key.startswith("decode_tok_s") or key == "load_s":
+            out[key] = statistics.median(values)
+            if len(ok) > 1 and key.startswith("decode_tok_s"):
+                out[f"{key}_samples"] = [round(v, 2) for v in values]
+        elif key.startswith("peak_rss"):
+            out[key] = max(values)
+    return out
+
+
 def gb(n) -> str:
     return f"{n / 1e9:.2f}" if isinstance(n, (int, float)) else "-"
 
@@ -357,7 +390,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated FORM:DTYPE, of {', '.join(FORMS)}")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="alternating runs of every system; medians reported")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     shapes = [s for s in args.shapes.split(",") if s]
     forms = [f for f in args.forms.split(",") if f]
     for s in shapes:
@@ -372,18 +408,25 @@ def main() -> int:
     sources.add("gguf-q8_0")  # llama.cpp's reference file
     for shape in shapes:
         files = synthesize(shape, console, sources)
-        for form in forms:
-            source, dtype = form.split(":")
-            console.print(f"  fivefold {shape} {form} ...")
-            results.append({"shape": shape, "system": "fivefold", "form": form,
-                            "file_bytes": sum(p.stat().st_size for p in files[source].glob("*.safetensors"))
-                            if files[source].is_dir() else files[source].stat().st_size,
-                            **measure_fivefold(files[source], dtype)})
-        if LLAMACPP_PYTHON.exists() and not args.no_llamacpp:
-            for src in sorted(s for s in files if s in GGUF_TYPES):
-                console.print(f"  llama.cpp {shape} {src} ...")
-                results.append({"shape": shape, "system": "llama.cpp", "form": src,
-                                "file_bytes": files[src].stat().st_size, **measure_llamacpp(files[src])})
+        runs: dict[tuple[str, str], list[dict]] = {}
+        for rep in range(args.repeats):
+            tag = f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""
+            for form in forms:
+                source, dtype = form.split(":")
+                console.print(f"  fivefold {shape} {form}{tag} ...")
+                runs.setdefault(("fivefold", form), []).append(
+                    {"file_bytes": sum(p.stat().st_size for p in files[source].glob("*.safetensors"))
+                     if files[source].is_dir() else files[source].stat().st_size,
+                     **measure_fivefold(files[source], dtype)})
+                console.print(f"    {brief(runs[('fivefold', form)][-1])}")
+            if LLAMACPP_PYTHON.exists() and not args.no_llamacpp:
+                for src in sorted(s for s in files if s in GGUF_TYPES):
+                    console.print(f"  llama.cpp {shape} {src}{tag} ...")
+                    runs.setdefault(("llama.cpp", src), []).append(
+                        {"file_bytes": files[src].stat().st_size, **measure_llamacpp(files[src])})
+                    console.print(f"    {brief(runs[('llama.cpp', src)][-1])}")
+        for (system, form), samples in runs.items():
+            results.append({"shape": shape, "system": system, "form": form, **combine(samples)})
     rows = []
     # each fivefold form against llama.cpp on the same GGUF file, or on the file of its precision (a
     # directory quantized on load: 4-bit forms against Q4_0, 8-bit against Q8_0)
@@ -411,7 +454,8 @@ def main() -> int:
                      f"{b8 / ref:.2f}x" if ref and b8 else "-"))
     isa = current_platform().isa_level
     console.print(results_table(f"real-size random-weight Llama shapes, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new "
-                                f"tokens ({isa}, {os.cpu_count()} cores)",
+                                f"tokens ({isa}, {os.cpu_count()} cores"
+                                f"{f'; medians of {args.repeats} alternating runs' if args.repeats > 1 else ''})",
                                 ("shape", "system", "form:dtype", "file GB", "load s", "peak RSS load GB",
                                  "peak RSS GB", "weights GB", "RSS bound GB", "tok/s b1", "tok/s b8",
                                  "b1 / llama.cpp b1", "b8 / llama.cpp b1"), rows))
