@@ -21,8 +21,10 @@ Methods, each choosing the same served form (codes 0..15, float16 scale and mini
   before o_proj, the up rows of gate_up before down_proj: the SmoothQuant folds). Then a clipping
   search shrinks each group's range where that lowers the output error.
 
-GPTQ's and AWQ's statistics are those of the float model (each layer sees float activations, not
-those of the layers quantized before it): one calibration pass collects them all.
+GPTQ on a Llama-family decoder runs layer by layer (``sequential``): each projection's Hessian is
+taken on the outputs of the projections quantized before it, and each group's range is searched
+(``clip_steps``) against the rounding error weighted by diag H. AWQ's statistics are those of the
+float model (one calibration pass collects them all).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class Int4Config(Int4Format):
     block_size: GPTQ's lazy-batch block (columns updated together).
     awq_grid: points of AWQ's search over the exponent a in [0, 1).
     awq_clip: AWQ's clipping search (shrink each group's range by up to 50% where it helps).
+    clip_steps: GPTQ's search of each group's range (shrunk by up to 20%, in this many steps,
+        where that lowers the rounding error weighted by diag H); 0 takes the minimum and maximum.
+    sequential: GPTQ layer by layer on a Llama-family decoder, each projection calibrated on the
+        outputs of the layers (and projections) quantized before it; False: every Hessian from
+        the float model in one pass.
     max_tokens: calibration tokens kept per layer input for AWQ's searches (a random subset).
     head_bits: 8 (the LM head W8A16) or 16 (left in float).
     skip: module names (fnmatch patterns) left as they are.
@@ -72,6 +79,8 @@ class Int4Config(Int4Format):
     block_size: int = 128
     awq_grid: int = 20
     awq_clip: bool = True
+    clip_steps: int = 20
+    sequential: bool = True
     max_tokens: int = 2048
     head_bits: int = 8
     skip: tuple[str, ...] = field(default_factory=tuple)
@@ -86,6 +95,8 @@ class Int4Config(Int4Format):
             raise FivefoldError(f"head_bits must be 8 or 16, got {self.head_bits}")
         if self.awq_grid < 1 or self.block_size < 1 or self.max_tokens < 1:
             raise FivefoldError("awq_grid, block_size and max_tokens must be positive")
+        if self.clip_steps < 0:
+            raise FivefoldError(f"clip_steps must be 0 or more, got {self.clip_steps}")
         object.__setattr__(self, "skip", tuple(self.skip))
 
     @property
@@ -147,6 +158,11 @@ def _targets(model: nn.Module, config: Int4Config) -> tuple[list[tuple[str, nn.M
 def hessians(model: nn.Module, targets: list[tuple[str, nn.Module]], data, forward_fn: Callable,
              show_progress: bool = True) -> dict[str, torch.Tensor]:
     """H = 2 X^T X / n (float64) of every target's input over the calibration data."""
+    return _input_hessians(targets, lambda: _run(model, data, forward_fn, "GPTQ: input statistics", show_progress))
+
+
+def _input_hessians(targets: list[tuple[str, nn.Module]], run: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n (float64) of each target's inputs while ``run()`` runs."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -158,7 +174,7 @@ def hessians(model: nn.Module, targets: list[tuple[str, nn.Module]], data, forwa
 
     hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: record(n, a[0])) for n, m in targets]
     try:
-        _run(model, data, forward_fn, "GPTQ: input statistics", show_progress)
+        run()
     finally:
         for h in hooks:
             h.remove()
@@ -171,6 +187,46 @@ def _group_params(w: torch.Tensor, fmt: Int4Format) -> tuple[torch.Tensor, torch
     return qz.scale, qz.offset
 
 
+def _codes_error(w: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 fmt: Int4Format) -> torch.Tensor:
+    """sum_j weight_j (w_j - deq_j)^2 per output channel and group [N, groups] of rounding ``w``
+    (not clipped) to the codes of the given group parameters."""
+    g = fmt.group_size
+    s = scale.float()[:, :, None]
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    wg = _grouped(w, g)
+    if offset is None:
+        deq = (torch.clamp(torch.round(wg / s) + 8, 0, 15) - 8) * s
+    else:
+        o = offset.float()[:, :, None]
+        deq = torch.clamp(torch.round((wg - o) / s), 0, 15) * s + o
+    return ((wg - deq).pow(2) * _grouped(weight[None, :], g)).sum(dim=2)
+
+
+def searched_group_params(w: torch.Tensor, importance: torch.Tensor, fmt: Int4Format, steps: int = 20,
+                          max_shrink: float = 0.2) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group float16 scale (and offset) with each group's range shrunk (a ratio of ``steps`` in
+    [1 - max_shrink, 1], the same for its minimum and maximum) where that lowers the group's
+    rounding error weighted by the input channels' ``importance`` [K] (GPTQ: the diagonal of H,
+    each column's share of the layer's output error). The outlying weights then clip; GPTQ's error
+    feedback carries what they lose. Ratio 1 is :func:`quantize_int4`'s choice, so no group's
+    weighted error is larger than with min-max ranges."""
+    w = w.detach().float()
+    importance = importance.float()
+    best_scale, best_offset = _group_params(w, fmt)
+    best_err = _codes_error(w, importance, best_scale, best_offset, fmt)
+    for step in range(1, steps + 1):
+        ratio = 1 - max_shrink * step / steps
+        scale, offset = _group_params(w * ratio, fmt)  # the range of every group scaled by ratio
+        err = _codes_error(w, importance, scale, offset, fmt)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if offset is not None:
+            best_offset = torch.where(better, offset, best_offset)
+    return best_scale, best_offset
+
+
 def _quantize_column(col: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Codes of one column (float32 [N]) against its group's scale and offset ([N], float32)."""
     s = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -180,15 +236,19 @@ def _quantize_column(col: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: Int4Format, damp: float = 0.01,
-                  act_order: bool = True, block_size: int = 128) -> Int4Quantized:
-    """GPTQ of one weight [N, K] with input Hessian ``h`` [K, K] (see the module docstring)."""
+                  act_order: bool = True, block_size: int = 128, clip_steps: int = 0) -> Int4Quantized:
+    """GPTQ of one weight [N, K] with input Hessian ``h`` [K, K] (see the module docstring);
+    ``clip_steps`` > 0 searches each group's range (:func:`searched_group_params`) instead of
+    taking its minimum and maximum."""
     w = w.detach().float().clone()
     n, k = w.shape
     h = h.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    scale, offset = _group_params(w, fmt)  # static groups: from the weights before any update
+    # static groups: from the weights before any update
+    scale, offset = (searched_group_params(w, torch.diag(h), fmt, clip_steps) if clip_steps
+                     else _group_params(w, fmt))
     col_group = torch.arange(k) // fmt.group_size
     scale_f = scale.float()
     offset_f = None if offset is None else offset.float()
@@ -349,6 +409,78 @@ def awq_(model: nn.Module, config: Int4Config, data, forward_fn: Callable, show_
     return inputs
 
 
+# --- sequential GPTQ ------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Ends a calibration forward at the first decoder layer (its inputs are all it needed)."""
+
+
+SEQUENTIAL_STAGES = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
+
+
+def _first_layer_inputs(model: nn.Module, data, forward_fn: Callable) -> list[list]:
+    """Each calibration sample's arguments to ``model.layers[0]`` (cos_sin, hidden, residual,
+    meta, kv_cache); the forward stops there."""
+    captured: list[list] = []
+
+    def grab(_module, args):
+        captured.append(list(args))
+        raise _Stop
+
+    hook = model.layers[0].register_forward_pre_hook(grab)
+    try:
+        with torch.inference_mode():
+            for sample in data:
+                try:
+                    forward_fn(model, sample)
+                except _Stop:
+                    pass
+    finally:
+        hook.remove()
+    return captured
+
+
+def _run_layer(layer: nn.Module, args: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on saved arguments, which it leaves as they were (the fused add + RMSNorm
+    writes its inputs in place)."""
+    cos_sin, hidden, residual, meta, kv_cache = args
+    return layer(cos_sin, hidden.clone(), None if residual is None else residual.clone(), meta, kv_cache)
+
+
+def gptq_sequential_(model: nn.Module, targets: list[tuple[str, nn.Module]], config: Int4Config, data,
+                     forward_fn: Callable, quantize: Callable[[str, nn.Module, torch.Tensor], None],
+                     show_progress: bool = True) -> None:
+    """GPTQ layer by layer, each projection's Hessian taken on the outputs of everything quantized
+    before it (the reference implementation's "true sequential" order: in each decoder layer qkv,
+    then o on the quantized attention, then gate_up, then down). The calibration windows run once
+    to the first layer; their hidden states then go through one layer at a time (five passes of a
+    layer each: four to collect, one to hand the quantized layer's outputs on), so the cost is
+    about five forwards of the model, not one per layer. ``quantize(name, module, h)`` replaces a
+    target."""
+    inputs = _first_layer_inputs(model, data, forward_fn)
+    by_name = dict(targets)
+    from rich.progress import Progress
+
+    with torch.inference_mode(), Progress(transient=True, disable=not show_progress) as bar:
+        task = bar.add_task("4-bit GPTQ, layer by layer", total=len(model.layers))
+        for i, layer in enumerate(model.layers):
+            for stage in SEQUENTIAL_STAGES:
+                names = [f"layers.{i}.{p}" for p in stage if f"layers.{i}.{p}" in by_name]
+                if not names:
+                    continue
+                found = _input_hessians([(n, by_name[n]) for n in names],
+                                        lambda: [_run_layer(layer, args) for args in inputs])
+                for n in names:
+                    quantize(n, by_name.pop(n), found.pop(n))
+            for args in inputs:  # the quantized layer's outputs are the next layer's inputs
+                args[1], args[2] = _run_layer(layer, args)
+            bar.advance(task)
+    for name, module in list(by_name.items()):  # outside the decoder layers (none in a Llama): one pass
+        h = hessians(model, [(name, module)], data, forward_fn, show_progress=False)[name]
+        quantize(name, module, h)
+
+
 # --- the entry point ---------------------------------------------------------------------------
 
 
@@ -369,21 +501,31 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
     if config.method == "awq":
         samples = awq_(model, config, data, forward_fn, show_progress, result)
     targets, head = _targets(model, config)
-    stats = hessians(model, targets, data, forward_fn, show_progress) if config.method == "gptq" else {}
+
+    def replace(name: str, module: nn.Module, qz: Int4Quantized) -> None:
+        replace_module(model, name, Int4Linear.from_quantized(qz, getattr(module, "bias", None), fmt.activations))
+        result.quantized.append(name)
+
+    def gptq(name: str, module: nn.Module, h: torch.Tensor) -> None:
+        replace(name, module, gptq_quantize(_float_weight(module), h, fmt, config.damp, config.act_order,
+                                            config.block_size, config.clip_steps))
+
+    if config.method == "gptq" and config.sequential and _is_decoder(model):
+        gptq_sequential_(model, targets, config, data, forward_fn, gptq, show_progress)
+        targets = []
+    stats = hessians(model, targets, data, forward_fn, show_progress) if config.method == "gptq" and targets else {}
     from rich.progress import Progress
 
     with torch.inference_mode(), Progress(transient=True, disable=not show_progress) as bar:
         task = bar.add_task(f"4-bit {config.method.upper()}", total=len(targets))
         for name, module in targets:
-            w = _float_weight(module)
             if config.method == "gptq":
-                qz = gptq_quantize(w, stats.pop(name), fmt, config.damp, config.act_order, config.block_size)
+                gptq(name, module, stats.pop(name))
             else:
+                w = _float_weight(module)
                 if config.method == "awq" and config.awq_clip and name in samples:
                     w = awq_clip_search(w, samples[name][:CLIP_TOKENS], fmt)
-                qz = quantize_int4(w, fmt)
-            replace_module(model, name, Int4Linear.from_quantized(qz, getattr(module, "bias", None), fmt.activations))
-            result.quantized.append(name)
+                replace(name, module, quantize_int4(w, fmt))
             bar.advance(task)
     if head is not None:
         from types import SimpleNamespace
@@ -393,6 +535,13 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
         replace_module(model, head, Int8Linear.from_float(linear, Int8Format(scheme="w8a16")).pack_())
         result.head = head
     return result
+
+
+def _is_decoder(model: nn.Module) -> bool:
+    """A Fivefold Llama-family decoder (its layers can be replayed one at a time)."""
+    from fivefold.models.llama import LlamaForCausalLM
+
+    return isinstance(model, LlamaForCausalLM)
 
 
 def bits_per_weight(model: nn.Module) -> float:

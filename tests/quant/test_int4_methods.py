@@ -20,7 +20,10 @@ from fivefold.quant.int4 import (
     awq_scale_search,
     bits_per_weight,
     gptq_quantize,
+    gptq_sequential_,
+    hessians,
     quantize_int4_,
+    searched_group_params,
 )
 from tests.conftest import save_random_hf_model
 
@@ -52,6 +55,50 @@ def test_gptq_beats_round_to_nearest_on_the_layer_output(symmetric, act_order):
     assert torch.equal(gptq.scale, rtn.scale)  # static groups: the same scales, other codes
     err_gptq, err_rtn = _output_error(x, w, gptq.dequantize()), _output_error(x, w, rtn.dequantize())
     assert err_gptq < 0.7 * err_rtn, (err_gptq, err_rtn)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_searched_group_ranges_never_raise_a_groups_weighted_error(symmetric):
+    """Each group's searched range rounds the weights with no more importance-weighted error than
+    its minimum and maximum, and many groups get a shrunk range."""
+    from fivefold.quant.int4 import _codes_error, _group_params
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 256, generator=gen) / 10
+    importance = torch.rand(256, generator=gen) + 0.1
+    fmt = Int4Format(group_size=64, symmetric=symmetric)
+    scale, offset = searched_group_params(w, importance, fmt)
+    base_scale, base_offset = _group_params(w, fmt)
+    err = _codes_error(w, importance, scale, offset, fmt)
+    base = _codes_error(w, importance, base_scale, base_offset, fmt)
+    assert bool((err <= base).all())
+    assert float(err.sum()) < 0.97 * float(base.sum())
+    assert int((scale.float().abs() < base_scale.float().abs()).sum()) > 0.2 * scale.numel()  # many groups shrank
+
+
+def test_sequential_gptq_calibrates_each_projection_on_the_quantized_layers_before_it(tmp_path):
+    """The layer-by-layer replay hands each projection the Hessian a full forward of the model as
+    it stands (earlier projections already 4-bit) gives it, in the order qkv, o, gate_up, down."""
+    from fivefold.quant.int4 import _targets
+    from fivefold.quant.quantize import replace_module
+
+    save_random_hf_model("llama", tmp_path)
+    model = load_model(str(tmp_path)).model
+    data = [[(7 * i + j) % 90 + 3 for j in range(24)] for i in range(3)]
+    config = Int4Config(method="gptq", group_size=32)
+    targets, _ = _targets(model, config)
+    order = []
+
+    def check_and_round(name, module, h):
+        want = hessians(model, [(name, module)], data, llm_forward, show_progress=False)[name]
+        torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-9 * float(want.abs().max()))
+        replace_module(model, name, Int4Linear.from_quantized(quantize_int4(module.weight.detach(), config)))
+        order.append(name)
+
+    gptq_sequential_(model, targets, config, data, llm_forward, check_and_round, show_progress=False)
+    assert order == [n for n, _ in targets]
+    assert order[:4] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
+                         "layers.0.mlp.down_proj"]
 
 
 def test_gptq_with_a_dead_input_channel():
