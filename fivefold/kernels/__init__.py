@@ -158,7 +158,7 @@ def paged_attention_ops():
 
 
 def int8_ops():
-    """``torch.ops.fivefold`` with ``int8_weight_linear`` and ``int8_int8_matmul``, or None if it cannot be built."""
+    """``torch.ops.fivefold`` with ``int8_weight_linear``, ``int8_int8_matmul`` and ``int8_int8_linear``, or None if it cannot be built."""
     return _load("int8_linear")
 
 

@@ -127,7 +127,12 @@ def w8a8_exact(xq: torch.Tensor, x_scale, x_zp: int, w_q: torch.Tensor, w_sum: t
                w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``(x_scale * (xq - x_zp)) @ (w_scale * w_q)^T + bias`` with the integer part exact:
     sum_k (xq - zp) w = sum_k xq w - zp * w_sum[n] (``w_sum`` int32 [N], per output channel).
-    ``x_scale`` is a float or [M, 1] (per token)."""
+    ``x_scale`` is a float or [M, 1] (per token). With the C++ kernels, one call: the scales,
+    zero point and bias are applied to each block of sums while it is in cache."""
+    ops = int8_ops()
+    if ops is not None:
+        xs = torch.as_tensor(x_scale, dtype=torch.float32).reshape(-1)
+        return ops.int8_int8_linear(xq, xs, int(x_zp), w_q, w_sum if x_zp else None, w_scale, bias)
     acc = int8_matmul_exact(xq, w_q)  # [M, N] int32
     if x_zp:
         acc = acc - x_zp * w_sum

@@ -20,13 +20,38 @@ from fivefold.models.int8_primitives import activation_qparams, quantize_activat
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (3, 100, 17), (4, 16, 3), (5, 1536, 577), (17, 33, 8),
-                                   (64, 576, 130)])
+                                   (64, 576, 130), (8, 1000, 49), (33, 257, 24), (9, 16, 1), (12, 1536, 577), (16, 300, 40)])
 def test_int8_matmul_exact_equals_int64_arithmetic(m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     x[0], w[0] = -128, -127  # the largest products, all of one sign: int16 pair sums would saturate
     assert torch.equal(int8_matmul_exact(x, w).long(), x.long() @ w.long().t())
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 130), (5, 100, 17), (16, 300, 40), (64, 576, 577)])
+@pytest.mark.parametrize("zp,per_token,bias", [(0, True, False), (-7, False, True), (3, True, True)])
+def test_int8_linear_applies_scales_zero_point_and_bias_to_the_exact_sums(m, k, n, zp, per_token, bias):
+    """The one-call W8A8 (int32 sums and float epilogue in one pass) against float64 arithmetic on
+    the int64 sums, on both of the kernel's paths (few rows; the packed panels from 16 rows)."""
+    from fivefold.kernels import int8_ops
+
+    ops = int8_ops()
+    if ops is None:
+        pytest.skip("no C++ compiler: w8a8_exact runs the float64 fallback, tested above")
+    g = torch.Generator().manual_seed(m + k + n + zp)
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    x[0], w[0] = -128, -127
+    xs = torch.rand(m if per_token else 1, generator=g) * 0.1 + 0.01
+    ws = torch.rand(n, generator=g) * 0.01 + 0.001
+    b = torch.randn(n, generator=g) if bias else None
+    w_sum = w.sum(dim=1, dtype=torch.int32)
+    y = ops.int8_int8_linear(x, xs, zp, w, w_sum, ws, b)
+    sums = (x.long() - zp) @ w.long().t()  # exact
+    expected = sums.double() * xs.double()[:, None] * ws.double() + (b.double() if bias else 0)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_library_kernels_run_only_where_they_are_exact():
