@@ -16,7 +16,7 @@ def _weights(dtype, n, k, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 19])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 19, 33, 64])
 @pytest.mark.parametrize("n,k", [(64, 576), (37, 100), (5, 16), (130, 33)])
 def test_stream_linear_matches_float64(dtype, rows, n, k):
     ops = stream_ops()
@@ -64,7 +64,7 @@ def test_packed_linear_streams_small_batches_and_packs_large_ones(rows):
     assert torch.equal(packed.state_dict()["weight"], dense.weight.detach())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 19])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 19, 45])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 96, 32), (6, 256, 64), (130, 128, 128)])
 def test_group_scales_match_float64(rows, n, k, group):
     """Int8 weights with one scale per group of columns (GGUF's Q8_0: 32): sum_g s[n, g] * (x . w)_g,
