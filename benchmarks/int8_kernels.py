@@ -6,11 +6,13 @@ where a scheme needs it (that is part of the cost).
 Candidates:
   fp32-packed        mkldnn._linear_pointwise on reordered float32 weights (the baseline)
   w8a16-int8pack     aten._weight_int8pack_mm: int8 weights, per-channel scales, float activations
-  w8a16-fivefold     our C++ kernel (fivefold/kernels/int8_linear.cpp): int8 weights, float activations
+  w8a16-fivefold     our C++ kernel (fivefold/kernels/linear_stream.cpp): int8 weights, float activations
+                     (weights streamed below 16 rows, packed panels from 16)
   w8a8-int_mm        per-token dynamic int8 activations, torch._int_mm (int32 accumulation), rescale
   w8a8-onednn        onednn.qlinear_pointwise (u8 activations, per-tensor scale/zero point, VNNI)
   w8a8-fbgemm        quantized.linear_dynamic (fbgemm, per-tensor dynamic activations)
-  w8a8-fivefold-exact our C++ int8 x int8 -> int32 kernel (exact on every CPU), per-token activations
+  w8a8-fivefold-exact our C++ int8 x int8 -> int32 kernel (fivefold/kernels/int8_linear.cpp: exact on
+                     every CPU; packed panels from 16 rows), per-token activations
 
 Without VNNI the library W8A8 kernels saturate (their rel. error column shows it);
 the last line says which kernel each W8A8 mode runs on this CPU (``fivefold env`` too).

@@ -1,5 +1,6 @@
 // Weight-streaming linear for decode: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n]
-// for a few activation rows (M = 1..16) and weights of float32, bfloat16 or int8. Int8 weights
+// for a few activation rows (M = 1..16) and weights of float32, bfloat16 or int8 (int8 from 16
+// rows: packed panels, below). Int8 weights
 // take either one scale per output channel or one per group of G consecutive columns
 // (y[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] * w[n, k]: GGUF's Q8_0 is G = 32).
 //
