@@ -398,6 +398,282 @@ inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t
   if (o.offset) rows_a8<C, false>(a, M, wt, n, y, N, o);
   else rows_a8<C, true>(a, M, wt, n, y, N, o);
 }
+
+// ---- From 8 rows (AVX-512): panels with channels and blocks in the lanes ----
+//
+// tile_a8 above converts and scales each block's int32 sums of each row and tile on their own: two
+// vpdpbusd per conversion, FMA, scale broadcast and starting value, at any row count; the float
+// path dequantizes every weight once per 4 rows. From 16 rows both ran slower than W8A16's panels.
+// Here the codes of two tiles are transposed once per 64 rows and chunk of columns into panel
+// vectors whose 16 int32 lanes are (channel c, block b) for the 4 blocks of a span of 128 columns:
+// vector t holds in lane 4c + b the 4 codes of channel c at columns 4t..4t + 3 of block b (t < 4:
+// the low nibbles of the stored bytes, t >= 4 the high ones). The stored layout has channel c's 16
+// bytes of a block in 128-bit lane c, so this is a 4 x 4 transpose of dwords inside each 128-bit
+// lane across the span's 4 blocks (8 unpacks, then an AND, or a shift and an AND, per vector).
+// Each row's activations are laid out to match once per call (for column j of a block: block b's
+// value in element b of 16 bytes, broadcast to the 4 lanes), so the lanes multiply with no
+// horizontal sums until the very end (a channel's 4 lanes, once per call).
+//   W4A8 (VNNI): 8 vpdpbusd and nothing else sum one row's 4 blocks x 4 channels; a conversion, a
+//     multiply by d_b x the group's scale and an FMA per span bring them into float, the symmetric
+//     -8 in the starting value (-8 x the block's code sum), a minimum as offset x d_b x code sum:
+//     per 32 x 16 weights and row, 8 dot products and 3-4 other instructions against 8 and ~12.
+//   W4A16: each code vector becomes 4 float vectors (shift, AND, conversion, FMA with the lanes'
+//     scale and offset: the weights themselves) once for all rows, then one FMA per column and row.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FIVEFOLD_INT4_PANELS 1
+constexpr int64_t kSpanBlocks = 4, kSpanCols = kSpanBlocks * kBlock, kSpanVecs = 8;
+constexpr int kPanelTiles = 2;
+constexpr int64_t kPanelRowBlock = 64;     // rows per panel build (and per accumulator buffer)
+constexpr int64_t kFloatPanelMinRows = 8;  // 8 rows: as fast as tile(); 16: 1.25x, 64: 1.65x
+
+inline __m512i bcast4(const int32_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec bcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+
+// The code panel of one full tile (its bytes from wt) over spans [s0, s0 + ns): codes [ns][8]
+// vectors, sv and ov [ns] the lanes' group scales and offsets (symmetric: -8 x the scale when
+// with_offset, else ov untouched); lanes of blocks past K hold zeros.
+inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o,
+                       int64_t group_cols, bool with_offset, __m512i* codes, Vec* sv, Vec* ov) {
+  // lane 4c + b -> its group's value among the 16 halves loaded from the span's first group
+  alignas(64) int32_t idx[16];
+  for (int c = 0; c < kChannels; ++c)
+    for (int b = 0; b < kSpanBlocks; ++b) idx[4 * c + b] = static_cast<int32_t>(b * kBlock / group_cols) * kChannels + c;
+  const __m512i index = _mm512_load_si512(idx), low = _mm512_set1_epi8(15);
+  for (int64_t s = 0; s < ns; ++s) {
+    const int64_t blk0 = (s0 + s) * kSpanBlocks;
+    __m512i r[kSpanBlocks];
+    for (int64_t b = 0; b < kSpanBlocks; ++b)
+      r[b] = blk0 + b < blocks ? _mm512_loadu_si512(wt + (blk0 + b) * kChannels * kWidth) : _mm512_setzero_si512();
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    const __m512i q[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                          _mm512_unpackhi_epi64(t1, t3)};
+    for (int j = 0; j < 4; ++j) {
+      codes[s * kSpanVecs + j] = _mm512_and_si512(q[j], low);
+      codes[s * kSpanVecs + 4 + j] = _mm512_and_si512(_mm512_srli_epi16(q[j], 4), low);
+    }
+    // the span's groups: from g0, at most 4 (groups of 32), each C halves in the tile-major order
+    const int64_t g0 = blk0 * kBlock / group_cols, have = std::min<int64_t>(16, (o.groups - g0) * kChannels);
+    const __mmask16 mask = static_cast<__mmask16>((1u << have) - 1);
+    sv[s] = _mm512_permutexvar_ps(index, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, o.scale + st + g0 * kChannels)));
+    if (o.offset)
+      ov[s] = _mm512_permutexvar_ps(index, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, o.offset + st + g0 * kChannels)));
+    else if (with_offset)
+      ov[s] = _mm512_mul_ps(sv[s], _mm512_set1_ps(-8.f));
+  }
+}
+
+// W4A16: x [M, K] laid out as xr [M, spans, 32, 4] (column j of block b of a span in element b),
+// zeros past K.
+struct FloatPanelRows {
+  std::vector<float> xr;
+  int64_t spans;
+  FloatPanelRows(const float* x, int64_t M, int64_t K) : spans((K + kSpanCols - 1) / kSpanCols) {
+    xr.resize(M * spans * kSpanCols);
+    const int64_t blocks = K / kBlock;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t s = 0; s < spans; ++s)
+        for (int64_t h = 0; h < kBlock; h += kWidth) {  // columns h..h+15 of the span's 4 blocks, interleaved
+          Vec v[kSpanBlocks];
+          for (int64_t b = 0; b < kSpanBlocks; ++b) {
+            const int64_t blk = s * kSpanBlocks + b;
+            v[b] = blk < blocks ? vload(x + m * K + blk * kBlock + h) : vzero();
+          }
+          // a 4 x 4 transpose inside each 128-bit lane, then one of the 128-bit lanes across vectors
+          const Vec t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+          const Vec t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+          const Vec u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+          const Vec u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+          const Vec v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+          const Vec v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+          float* out = xr.data() + ((m * spans + s) * kBlock + h) * kSpanBlocks;
+          vstore(out, _mm512_shuffle_f32x4(v0, v1, 0x88));
+          vstore(out + kWidth, _mm512_shuffle_f32x4(v0, v1, 0xDD));
+          vstore(out + 2 * kWidth, _mm512_shuffle_f32x4(v2, v3, 0x88));
+          vstore(out + 3 * kWidth, _mm512_shuffle_f32x4(v2, v3, 0xDD));
+        }
+  }
+};
+
+struct FloatPanel {
+  static constexpr int64_t kChunkSpans = 4;  // 512 columns: a tile's float weights 8 KB
+  static constexpr int kRows = 8;            // 16 accumulators, 2 weight vectors (6 rows: 3% slower)
+  using Rows = FloatPanelRows;
+  Vec w[kChunkSpans * kBlock];  // [span][column j of the blocks]: lanes 4c + b
+  void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
+    __m512i codes[kChunkSpans * kSpanVecs];
+    Vec sv[kChunkSpans], ov[kChunkSpans];
+    code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/true, codes, sv, ov);
+    const __m512i byte = _mm512_set1_epi32(255);
+    for (int64_t s = 0; s < ns; ++s)
+      for (int64_t t = 0; t < kSpanVecs; ++t)
+        for (int i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(codes[s * kSpanVecs + t], 8 * i), byte);
+          w[s * kBlock + 4 * t + i] = vfma(_mm512_cvtepi32_ps(q), sv[s], ov[s]);
+        }
+  }
+  // R rows (from row m) x T tiles' panels over spans [s0, s0 + ns), added to f.
+  template <int R, int T, bool Symmetric>
+  static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const FloatPanel* p, Vec (&f)[R][T]) {
+    for (int64_t s = 0; s < ns; ++s)
+      for (int64_t j = 0; j < kBlock; ++j) {
+        Vec w[T];
+        for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].w[s * kBlock + j];
+        for (int r = 0; r < R; ++r) {
+          const Vec x = bcast4(a.xr.data() + (((m + r) * a.spans + s0 + s) * kBlock + j) * kSpanBlocks);
+          for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(w[tt], x, f[r][tt]);
+        }
+      }
+  }
+};
+
+#if defined(__AVX512VNNI__)
+#define FIVEFOLD_A8_PANELS 1
+constexpr int64_t kA8PanelMinRows = 8;  // 4 rows: tile_a8 1.07x faster; 8: this 1.2-1.35x
+
+// W4A8: the rows laid out for the panels: xr [M, spans, 8, 4] dwords of codes (vector t: block b's
+// 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, 4] int32 (symmetric: -8 x each block's
+// code sum, else 0), dv [M, spans, 4] (each block's d), dq [M, spans, 4] (d x code sum); zeros past K.
+struct Int8PanelRows {
+  std::vector<int32_t> xr, init;
+  std::vector<float> dv, dq;
+  int64_t spans;
+  Int8PanelRows(const Int8Rows& a, int64_t M, bool symmetric) : spans((a.blocks + kSpanBlocks - 1) / kSpanBlocks) {
+    xr.resize(M * spans * kSpanVecs * kSpanBlocks);
+    init.assign(M * spans * kSpanBlocks, 0);
+    dv.assign(M * spans * kSpanBlocks, 0.f);
+    dq.assign(M * spans * kSpanBlocks, 0.f);
+    // dword t of block b -> element 4t + b: one two-source permute per 16 dwords
+    alignas(64) int32_t lo[16], hi[16];
+    for (int t = 0; t < 4; ++t)
+      for (int b = 0; b < 4; ++b) lo[4 * t + b] = b * 8 + t, hi[4 * t + b] = b * 8 + t + 4;
+    const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t s = 0; s < spans; ++s) {
+        const int64_t have = std::min<int64_t>(kSpanBlocks, a.blocks - s * kSpanBlocks) * kBlock;  // bytes of the span in K
+        alignas(64) int8_t src[kSpanCols] = {};
+        std::memcpy(src, a.xq + m * a.K + s * kSpanCols, have);
+        const __m512i z0 = _mm512_load_si512(src), z1 = _mm512_load_si512(src + 64);
+        int32_t* out = xr.data() + (m * spans + s) * kSpanVecs * kSpanBlocks;
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi32(z0, ilo, z1));
+        _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi32(z0, ihi, z1));
+      }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t blk = 0; blk < a.blocks; ++blk) {
+        const int64_t s = blk / kSpanBlocks, b = blk % kSpanBlocks, at = (m * spans + s) * kSpanBlocks + b;
+        const int32_t qs = a.qsum[m * a.blocks + blk];
+        const float d = a.d[m * a.blocks + blk];
+        init[at] = symmetric ? -8 * qs : 0;
+        dv[at] = d;
+        dq[at] = d * static_cast<float>(qs);
+      }
+  }
+};
+
+struct Int8Panel {
+  static constexpr int64_t kChunkSpans = 8;  // 1024 columns: a tile's codes 4 KB
+  static constexpr int kRows = 4;            // 8 int32 + 8 float accumulators, 2 weight vectors
+  using Rows = Int8PanelRows;
+  __m512i codes[kChunkSpans * kSpanVecs];
+  Vec sv[kChunkSpans], ov[kChunkSpans];
+  void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
+    code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/false, codes, sv, ov);
+  }
+  template <int R, int T, bool Symmetric>
+  static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const Int8Panel* p, Vec (&f)[R][T]) {
+    for (int64_t s = 0; s < ns; ++s) {
+      const int64_t span = s0 + s;
+      __m512i i[R][T];
+      for (int r = 0; r < R; ++r) {
+        const __m512i init = Symmetric ? bcast4(a.init.data() + ((m + r) * a.spans + span) * kSpanBlocks) : _mm512_setzero_si512();
+        for (int tt = 0; tt < T; ++tt) i[r][tt] = init;
+      }
+      for (int64_t t = 0; t < kSpanVecs; ++t) {
+        __m512i w[T];
+        for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].codes[s * kSpanVecs + t];
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = bcast4(a.xr.data() + (((m + r) * a.spans + span) * kSpanVecs + t) * kSpanBlocks);
+          for (int tt = 0; tt < T; ++tt) i[r][tt] = _mm512_dpbusd_epi32(i[r][tt], w[tt], x);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = ((m + r) * a.spans + span) * kSpanBlocks;
+        const Vec d = bcast4(a.dv.data() + at);
+        for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(_mm512_cvtepi32_ps(i[r][tt]), _mm512_mul_ps(d, p[tt].sv[s]), f[r][tt]);
+        if constexpr (!Symmetric) {
+          const Vec dq = bcast4(a.dq.data() + at);
+          for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(p[tt].ov[s], dq, f[r][tt]);
+        }
+      }
+    }
+  }
+};
+#endif
+
+// R rows (from row m) of the panels over spans [s0, s0 + ns), added to acc [rows, T, 16] (first:
+// from zero; acc_row: row m's row in acc).
+template <class P, int R, int T, bool Symmetric>
+inline void panel_rows(const typename P::Rows& a, int64_t m, int64_t s0, int64_t ns, const P* panels, float* acc,
+                       int64_t acc_row, bool first) {
+  Vec f[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int tt = 0; tt < T; ++tt) f[r][tt] = first ? vzero() : vload(acc + ((acc_row + r) * T + tt) * kWidth);
+  P::template rows<R, T, Symmetric>(a, m, s0, ns, panels, f);
+  for (int r = 0; r < R; ++r)
+    for (int tt = 0; tt < T; ++tt) vstore(acc + ((acc_row + r) * T + tt) * kWidth, f[r][tt]);
+}
+
+// The last rest < R rows.
+template <class P, int R, int T, bool Symmetric>
+inline void panel_rest(int64_t rest, const typename P::Rows& a, int64_t m, int64_t s0, int64_t ns, const P* panels,
+                       float* acc, int64_t acc_row, bool first) {
+  if constexpr (R > 0) {
+    if (rest == R) panel_rows<P, R, T, Symmetric>(a, m, s0, ns, panels, acc, acc_row, first);
+    else panel_rest<P, R - 1, T, Symmetric>(rest, a, m, s0, ns, panels, acc, acc_row, first);
+  }
+}
+
+// Rows [m0, m0 + rows) against the kPanelTiles full tiles from channel n (their bytes from wt):
+// every chunk of spans, then each channel's 4 lanes summed (plus the bias) into y.
+template <class P, bool Symmetric>
+void panel_tiles(const typename P::Rows& a, int64_t K, int64_t m0, int64_t rows, const uint8_t* wt, int64_t n, float* y,
+                 int64_t N, const Operands& o, int64_t group_cols) {
+  constexpr int T = kPanelTiles;
+  P panels[T];
+  alignas(64) float acc[kPanelRowBlock * T * kWidth];
+  const int64_t tile_bytes = kChannels * (K / 2), blocks = K / kBlock;
+  for (int64_t s0 = 0; s0 < a.spans; s0 += P::kChunkSpans) {
+    const int64_t ns = std::min(P::kChunkSpans, a.spans - s0);
+    for (int tt = 0; tt < T; ++tt)
+      panels[tt].build(wt + tt * tile_bytes, blocks, (n + tt * kChannels) * o.groups, s0, ns, o, group_cols);
+    const bool first = s0 == 0;
+    int64_t r = 0;
+    for (; r + P::kRows <= rows; r += P::kRows) panel_rows<P, P::kRows, T, Symmetric>(a, m0 + r, s0, ns, panels, acc, r, first);
+    if (r < rows) panel_rest<P, P::kRows - 1, T, Symmetric>(rows - r, a, m0 + r, s0, ns, panels, acc, r, first);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int tt = 0; tt < T; ++tt)
+      for (int c = 0; c < kChannels; ++c) {
+        const int64_t ch = n + tt * kChannels + c;
+        const float* lanes = acc + (r * T + tt) * kWidth + c * kSpanBlocks;
+        y[(m0 + r) * N + ch] = (o.bias ? o.bias[ch] : 0.f) + ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]));
+      }
+}
+
+// The pairs of full tiles against all M rows (threads split the pairs and blocks of 64 rows);
+// returns the channels done (the rest: an odd tile, the narrow last one).
+template <class P, bool Symmetric>
+int64_t run_panels(const typename P::Rows& a, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* y,
+                   const Operands& o, int64_t group_cols) {
+  const int64_t units = N / (kChannels * kPanelTiles), tile_bytes = kChannels * (K / 2);
+#pragma omp parallel for schedule(static) collapse(2) if (N * K > (1 << 15))
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock)
+      panel_tiles<P, Symmetric>(a, K, m0, std::min(kPanelRowBlock, M - m0), wp + u * kPanelTiles * tile_bytes,
+                                u * kPanelTiles * kChannels, y, N, o, group_cols);
+  return units * kPanelTiles * kChannels;
+}
+#endif
 #endif
 
 // ---- int8 weights (fivefold::stream_pack's layout, GGUF Q8_0) times int8 activations ----
@@ -769,7 +1045,13 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for_each_tile(N, K / 2, K, [&](auto c, int64_t byte0, int64_t n) { channels<decltype(c)::value>(xp, M, K, wp + byte0, n, yp, N, o); });
+  int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
+#if defined(FIVEFOLD_INT4_PANELS)
+  if (M >= kFloatPanelMinRows) n0 = run_panels<FloatPanel, true>(FloatPanelRows(xp, M, K), M, K, wp, N, yp, o, group_cols);
+#endif
+  for_each_tile(N - n0, K / 2, K, [&](auto c, int64_t byte0, int64_t n) {
+    channels<decltype(c)::value>(xp, M, K, wp + n0 * (K / 2) + byte0, n0 + n, yp, N, o);
+  });
   return y;
 }
 
@@ -787,7 +1069,17 @@ torch::Tensor run_int8(const torch::Tensor& xq, const torch::Tensor& d, const to
                    K / kBlock, o.groups};
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for_each_tile(N, K / 2, K, [&](auto c, int64_t byte0, int64_t n) { channels_a8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, o); });
+  int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
+#if defined(FIVEFOLD_A8_PANELS)
+  if (M >= kA8PanelMinRows) {
+    const Int8PanelRows rows(a, M, /*symmetric=*/!o.offset);
+    n0 = o.offset ? run_panels<Int8Panel, false>(rows, M, K, wp, N, yp, o, group_cols)
+                  : run_panels<Int8Panel, true>(rows, M, K, wp, N, yp, o, group_cols);
+  }
+#endif
+  for_each_tile(N - n0, K / 2, K, [&](auto c, int64_t byte0, int64_t n) {
+    channels_a8<decltype(c)::value>(a, M, wp + n0 * (K / 2) + byte0, n0 + n, yp, N, o);
+  });
   return y;
 #else  // no integer dot product in this build: the same numbers through the float path
   const torch::Tensor x = (xq.to(torch::kFloat32).view({M, K / kBlock, kBlock}) * d.view({M, K / kBlock, 1})).view({M, K});

@@ -6,7 +6,9 @@ the kernel quantizes rows to the same bytes as quantize_activations, computes wh
 reference computes on those activations, and sums codes times activations exactly (against int64
 on saturating operands: all-15 codes times -127/127). Runs on the forced-AVX2 leg too (Makefile
 ISA_TESTS), where a step is 16 columns instead of 32 and the integer path is vpmaddubsw's, not
-VNNI's."""
+VNNI's. From 8 rows AVX-512 builds take the panel paths (pairs of tiles, chunks of columns, blocks
+of 64 rows): the row counts 8-70, N = 37 and 44 (an odd tile left over) and K = 2336 (several
+chunks, a partial last span) reach every part of them."""
 
 import pytest
 import torch
@@ -34,8 +36,9 @@ def _codes(n, k, group, symmetric, gen):
     return q, scale, offset
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
-@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 70])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 64),
+                                       (44, 2336, 32)])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_linear_matches_float64(rows, n, k, group, symmetric):
     ops = int4_ops()
@@ -55,8 +58,9 @@ def test_int4_linear_matches_float64(rows, n, k, group, symmetric):
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
-@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 70])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32),
+                                       (44, 2336, 32)])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int8_activations_match_float64_on_the_quantized_rows(rows, n, k, group, symmetric):
     ops = int4_ops()
@@ -92,12 +96,14 @@ def test_kernel_quantizes_rows_to_the_reference_bytes():
     assert torch.equal(y, dequantize_activations(*quantize_activations(x)))
 
 
+@pytest.mark.parametrize("copies", [1, 2])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_integer_sums_are_exact_on_saturating_operands(symmetric):
+def test_integer_sums_are_exact_on_saturating_operands(symmetric, copies):
     """Codes 15 (and 0) against activations -127 and 127, scales 1: every output is the int64 dot
     product exactly (K = 4096: sums up to 7.8e6, integers float32 holds). On AVX2, vpmaddubsw adds
     pairs of u8 x s8 products into int16 with saturation: 15 x 127 x 2 per pair, four pairs per
-    block summed before widening, stay under 32767, which these operands reach the closest to."""
+    block summed before widening, stay under 32767, which these operands reach the closest to.
+    Two copies of the 6 rows: 12 rows, the panel path on AVX-512 VNNI."""
     ops = int4_ops()
     n, k = 37, 4096
     q = torch.full((n, k), 15, dtype=torch.uint8)
@@ -109,9 +115,10 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric):
     xq[3] = torch.randint(-127, 128, (k,), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
     xq[4, ::4] = 0
     xq[5, 5::7] = 127
+    xq = xq.repeat(copies, 1)
     scale = ops.int4_pack_groups(torch.ones(n, k // 32, dtype=torch.float16), True)
     offset = None if symmetric else ops.int4_pack_groups(torch.zeros(n, k // 32, dtype=torch.float16), True)
-    y = ops.int4_linear_int8(xq, torch.ones(6, k // 32), ops.int4_pack(q), scale, offset, None)
+    y = ops.int4_linear_int8(xq, torch.ones(6 * copies, k // 32), ops.int4_pack(q), scale, offset, None)
     want = xq.long() @ (q.long() - (8 if symmetric else 0)).t()
     assert bool((want.abs() < 2 ** 24).all())
     assert torch.equal(y.double(), want.double())
