@@ -399,48 +399,75 @@ inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t
   else rows_a8<C, true>(a, M, wt, n, y, N, o);
 }
 
-// ---- From 8 rows (AVX-512): panels with channels and blocks in the lanes ----
+// ---- From 8 rows: panels with channels and blocks in the lanes ----
 //
 // tile_a8 above converts and scales each block's int32 sums of each row and tile on their own: two
 // vpdpbusd per conversion, FMA, scale broadcast and starting value, at any row count; the float
 // path dequantizes every weight once per 4 rows. From 16 rows both ran slower than W8A16's panels.
 // Here the codes of two tiles are transposed once per 64 rows and chunk of columns into panel
-// vectors whose 16 int32 lanes are (channel c, block b) for the 4 blocks of a span of 128 columns:
-// vector t holds in lane 4c + b the 4 codes of channel c at columns 4t..4t + 3 of block b (t < 4:
-// the low nibbles of the stored bytes, t >= 4 the high ones). The stored layout has channel c's 16
-// bytes of a block in 128-bit lane c, so this is a 4 x 4 transpose of dwords inside each 128-bit
-// lane across the span's 4 blocks (8 unpacks, then an AND, or a shift and an AND, per vector).
-// Each row's activations are laid out to match once per call (for column j of a block: block b's
-// value in element b of 16 bytes, broadcast to the 4 lanes), so the lanes multiply with no
-// horizontal sums until the very end (a channel's 4 lanes, once per call).
-//   W4A8 (VNNI): 8 vpdpbusd and nothing else sum one row's 4 blocks x 4 channels; a conversion, a
+// vectors whose int32 lanes are (channel c, block b) for the B blocks of a span of 32 B columns
+// (B = 4 with AVX-512, 2 with AVX2): vector t holds in lane Bc + b the 4 codes of channel c at
+// columns 4t..4t + 3 of block b. AVX-512: the stored layout has channel c's 16 bytes of a block in
+// 128-bit lane c (low nibbles columns 0-15, high 16-31), so this is a 4 x 4 transpose of dwords
+// inside each 128-bit lane across the span's 4 blocks (8 unpacks, then an AND, or a shift and an
+// AND, per vector). AVX2: a block is two steps of 8 bytes per channel, and a shift and a blend
+// pair the two blocks' dwords. Each row's activations are laid out to match once per call (for
+// column j of a block: block b's value in element b of 4 B bytes, broadcast to every lane group),
+// so the lanes multiply with no horizontal sums until the very end (a channel's B lanes, once).
+//   W4A8 (AVX-512 VNNI; AVX2 keeps tile_a8): 8 vpdpbusd and nothing else sum one row's 4 blocks x 4 channels; a conversion, a
 //     multiply by d_b x the group's scale and an FMA per span bring them into float, the symmetric
 //     -8 in the starting value (-8 x the block's code sum), a minimum as offset x d_b x code sum:
 //     per 32 x 16 weights and row, 8 dot products and 3-4 other instructions against 8 and ~12.
 //   W4A16: each code vector becomes 4 float vectors (shift, AND, conversion, FMA with the lanes'
 //     scale and offset: the weights themselves) once for all rows, then one FMA per column and row.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(FIVEFOLD_A8)
 #define FIVEFOLD_INT4_PANELS 1
-constexpr int64_t kSpanBlocks = 4, kSpanCols = kSpanBlocks * kBlock, kSpanVecs = 8;
+constexpr int64_t kSpanBlocks = kWidth / 4, kSpanCols = kSpanBlocks * kBlock, kSpanVecs = kBlock / 4;
 constexpr int kPanelTiles = 2;
-constexpr int64_t kPanelRowBlock = 64;     // rows per panel build (and per accumulator buffer)
+constexpr int64_t kPanelRowBlock = 64;  // rows per panel build (and per accumulator buffer)
+#if defined(__AVX512F__)
 constexpr int64_t kFloatPanelMinRows = 8;  // 8 rows: as fast as tile(); 16: 1.25x, 64: 1.65x
-
 inline __m512i bcast4(const int32_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline Vec bcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+inline Vec bcast_span(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+inline IVec ivset1(int32_t v) { return _mm512_set1_epi32(v); }
+inline IVec ivand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec ivsrl32(IVec a, int n) { return _mm512_srli_epi32(a, n); }
+#else
+constexpr int64_t kFloatPanelMinRows = 8;
+// the kSpanBlocks = 2 floats at p into every pair of lanes
+inline Vec bcast_span(const float* p) { return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))); }
+inline IVec ivset1(int32_t v) { return _mm256_set1_epi32(v); }
+inline IVec ivand(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec ivsrl32(IVec a, int n) { return _mm256_srli_epi32(a, n); }
+#endif
+
+// `have` float16 values from p as floats, lane l taking value index[l].
+inline Vec span_params(const at::Half* p, int64_t have, IVec index) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << have) - 1), p));
+  return _mm512_permutexvar_ps(index, v);
+#else
+  alignas(16) at::Half h[8] = {};
+  std::memcpy(h, p, have * sizeof(at::Half));
+  return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))), index);
+#endif
+}
 
 // The code panel of one full tile (its bytes from wt) over spans [s0, s0 + ns): codes [ns][8]
 // vectors, sv and ov [ns] the lanes' group scales and offsets (symmetric: -8 x the scale when
 // with_offset, else ov untouched); lanes of blocks past K hold zeros.
 inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o,
-                       int64_t group_cols, bool with_offset, __m512i* codes, Vec* sv, Vec* ov) {
-  // lane 4c + b -> its group's value among the 16 halves loaded from the span's first group
-  alignas(64) int32_t idx[16];
+                       int64_t group_cols, bool with_offset, IVec* codes, Vec* sv, Vec* ov) {
+  // lane Bc + b -> its group's value among the (up to) 4 B halves loaded from the span's first group
+  alignas(64) int32_t idx[kWidth];
   for (int c = 0; c < kChannels; ++c)
-    for (int b = 0; b < kSpanBlocks; ++b) idx[4 * c + b] = static_cast<int32_t>(b * kBlock / group_cols) * kChannels + c;
-  const __m512i index = _mm512_load_si512(idx), low = _mm512_set1_epi8(15);
+    for (int b = 0; b < kSpanBlocks; ++b)
+      idx[kSpanBlocks * c + b] = static_cast<int32_t>(b * kBlock / group_cols) * kChannels + c;
+  const IVec index = wload(reinterpret_cast<const uint8_t*>(idx));
   for (int64_t s = 0; s < ns; ++s) {
     const int64_t blk0 = (s0 + s) * kSpanBlocks;
+    IVec* out = codes + s * kSpanVecs;
+#if defined(__AVX512F__)
     __m512i r[kSpanBlocks];
     for (int64_t b = 0; b < kSpanBlocks; ++b)
       r[b] = blk0 + b < blocks ? _mm512_loadu_si512(wt + (blk0 + b) * kChannels * kWidth) : _mm512_setzero_si512();
@@ -449,21 +476,32 @@ inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0
     const __m512i q[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
                           _mm512_unpackhi_epi64(t1, t3)};
     for (int j = 0; j < 4; ++j) {
-      codes[s * kSpanVecs + j] = _mm512_and_si512(q[j], low);
-      codes[s * kSpanVecs + 4 + j] = _mm512_and_si512(_mm512_srli_epi16(q[j], 4), low);
+      out[j] = lo_nibbles(q[j]);
+      out[4 + j] = hi_nibbles(q[j]);
     }
-    // the span's groups: from g0, at most 4 (groups of 32), each C halves in the tile-major order
-    const int64_t g0 = blk0 * kBlock / group_cols, have = std::min<int64_t>(16, (o.groups - g0) * kChannels);
-    const __mmask16 mask = static_cast<__mmask16>((1u << have) - 1);
-    sv[s] = _mm512_permutexvar_ps(index, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, o.scale + st + g0 * kChannels)));
-    if (o.offset)
-      ov[s] = _mm512_permutexvar_ps(index, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, o.offset + st + g0 * kChannels)));
-    else if (with_offset)
-      ov[s] = _mm512_mul_ps(sv[s], _mm512_set1_ps(-8.f));
+#else
+    for (int64_t step = 0; step < kStepsPerBlock; ++step) {  // columns 16 step .. 16 step + 15 of both blocks
+      __m256i r[kSpanBlocks];
+      for (int64_t b = 0; b < kSpanBlocks; ++b)
+        r[b] = blk0 + b < blocks ? wload(wt + ((blk0 + b) * kStepsPerBlock + step) * kChannels * kWidth) : _mm256_setzero_si256();
+      // dword 2c + j of block b -> lane 2c + b of vector j
+      const __m256i q[2] = {_mm256_blend_epi32(r[0], _mm256_slli_epi64(r[1], 32), 0xAA),
+                            _mm256_blend_epi32(_mm256_srli_epi64(r[0], 32), r[1], 0xAA)};
+      for (int j = 0; j < 2; ++j) {
+        out[4 * step + j] = lo_nibbles(q[j]);
+        out[4 * step + 2 + j] = hi_nibbles(q[j]);
+      }
+    }
+#endif
+    // the span's groups: from g0, at most B (groups of 32), each C halves in the tile-major order
+    const int64_t g0 = blk0 * kBlock / group_cols, have = std::min<int64_t>(kWidth, (o.groups - g0) * kChannels);
+    sv[s] = span_params(o.scale + st + g0 * kChannels, have, index);
+    if (o.offset) ov[s] = span_params(o.offset + st + g0 * kChannels, have, index);
+    else if (with_offset) ov[s] = vmul(sv[s], vset1(-8.f));
   }
 }
 
-// W4A16: x [M, K] laid out as xr [M, spans, 32, 4] (column j of block b of a span in element b),
+// W4A16: x [M, K] laid out as xr [M, spans, 32, B] (column j of block b of a span in element b),
 // zeros past K.
 struct FloatPanelRows {
   std::vector<float> xr;
@@ -473,12 +511,14 @@ struct FloatPanelRows {
     const int64_t blocks = K / kBlock;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t s = 0; s < spans; ++s)
-        for (int64_t h = 0; h < kBlock; h += kWidth) {  // columns h..h+15 of the span's 4 blocks, interleaved
+        for (int64_t h = 0; h < kBlock; h += kWidth) {  // columns h..h+W-1 of the span's blocks, interleaved
           Vec v[kSpanBlocks];
           for (int64_t b = 0; b < kSpanBlocks; ++b) {
             const int64_t blk = s * kSpanBlocks + b;
             v[b] = blk < blocks ? vload(x + m * K + blk * kBlock + h) : vzero();
           }
+          float* out = xr.data() + ((m * spans + s) * kBlock + h) * kSpanBlocks;
+#if defined(__AVX512F__)
           // a 4 x 4 transpose inside each 128-bit lane, then one of the 128-bit lanes across vectors
           const Vec t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
           const Vec t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
@@ -486,44 +526,59 @@ struct FloatPanelRows {
           const Vec u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
           const Vec v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
           const Vec v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
-          float* out = xr.data() + ((m * spans + s) * kBlock + h) * kSpanBlocks;
           vstore(out, _mm512_shuffle_f32x4(v0, v1, 0x88));
           vstore(out + kWidth, _mm512_shuffle_f32x4(v0, v1, 0xDD));
           vstore(out + 2 * kWidth, _mm512_shuffle_f32x4(v2, v3, 0x88));
           vstore(out + 3 * kWidth, _mm512_shuffle_f32x4(v2, v3, 0xDD));
+#else
+          const Vec lo = _mm256_unpacklo_ps(v[0], v[1]), hi = _mm256_unpackhi_ps(v[0], v[1]);
+          vstore(out, _mm256_permute2f128_ps(lo, hi, 0x20));
+          vstore(out + kWidth, _mm256_permute2f128_ps(lo, hi, 0x31));
+#endif
         }
   }
 };
 
 struct FloatPanel {
-  static constexpr int64_t kChunkSpans = 4;  // 512 columns: a tile's float weights 8 KB
-  static constexpr int kRows = 8;            // 16 accumulators, 2 weight vectors (6 rows: 3% slower)
+  static constexpr int64_t kChunkSpans = 512 / kSpanCols;  // 512 columns: a tile's float weights 8 KB
+#if defined(__AVX512F__)
+  static constexpr int kRows = 8;  // 16 accumulators, 2 weight vectors (6 rows: 3% slower, 12: the same)
+#else
+  static constexpr int kRows = 6;  // 12 accumulators, 2 weight vectors, a broadcast of 16 registers
+#endif
   using Rows = FloatPanelRows;
-  Vec w[kChunkSpans * kBlock];  // [span][column j of the blocks]: lanes 4c + b
+  Vec w[kChunkSpans * kBlock];  // [span][column j of the blocks]: lanes Bc + b
   void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
-    __m512i codes[kChunkSpans * kSpanVecs];
+    IVec codes[kChunkSpans * kSpanVecs];
     Vec sv[kChunkSpans], ov[kChunkSpans];
     code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/true, codes, sv, ov);
-    const __m512i byte = _mm512_set1_epi32(255);
+    const IVec byte = ivset1(255);
     for (int64_t s = 0; s < ns; ++s)
       for (int64_t t = 0; t < kSpanVecs; ++t)
         for (int i = 0; i < 4; ++i) {
-          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(codes[s * kSpanVecs + t], 8 * i), byte);
-          w[s * kBlock + 4 * t + i] = vfma(_mm512_cvtepi32_ps(q), sv[s], ov[s]);
+          const IVec q = ivand(ivsrl32(codes[s * kSpanVecs + t], 8 * i), byte);
+          w[s * kBlock + 4 * t + i] = vfma(to_float(q), sv[s], ov[s]);
         }
   }
   // R rows (from row m) x T tiles' panels over spans [s0, s0 + ns), added to f.
   template <int R, int T, bool Symmetric>
   static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const FloatPanel* p, Vec (&f)[R][T]) {
-    for (int64_t s = 0; s < ns; ++s)
+    for (int64_t s = 0; s < ns; ++s) {
+      // each row's span, and the panels' columns, as pointers: indexing them in the loop below
+      // cost an integer multiply and four adds per row and column (2x the FMAs' time on AVX2)
+      const float* x[R];
+      for (int r = 0; r < R; ++r) x[r] = a.xr.data() + ((m + r) * a.spans + s0 + s) * kBlock * kSpanBlocks;
+      const Vec* w[T];
+      for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].w + s * kBlock;
       for (int64_t j = 0; j < kBlock; ++j) {
-        Vec w[T];
-        for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].w[s * kBlock + j];
+        Vec wj[T];
+        for (int tt = 0; tt < T; ++tt) wj[tt] = w[tt][j];
         for (int r = 0; r < R; ++r) {
-          const Vec x = bcast4(a.xr.data() + (((m + r) * a.spans + s0 + s) * kBlock + j) * kSpanBlocks);
-          for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(w[tt], x, f[r][tt]);
+          const Vec xj = bcast_span(x[r] + j * kSpanBlocks);
+          for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(wj[tt], xj, f[r][tt]);
         }
       }
+    }
   }
 };
 
@@ -588,20 +643,22 @@ struct Int8Panel {
         const __m512i init = Symmetric ? bcast4(a.init.data() + ((m + r) * a.spans + span) * kSpanBlocks) : _mm512_setzero_si512();
         for (int tt = 0; tt < T; ++tt) i[r][tt] = init;
       }
+      const int32_t* x[R];  // as in FloatPanel::rows: pointers, not indices, in the loop
+      for (int r = 0; r < R; ++r) x[r] = a.xr.data() + ((m + r) * a.spans + span) * kSpanVecs * kSpanBlocks;
       for (int64_t t = 0; t < kSpanVecs; ++t) {
         __m512i w[T];
         for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].codes[s * kSpanVecs + t];
         for (int r = 0; r < R; ++r) {
-          const __m512i x = bcast4(a.xr.data() + (((m + r) * a.spans + span) * kSpanVecs + t) * kSpanBlocks);
-          for (int tt = 0; tt < T; ++tt) i[r][tt] = _mm512_dpbusd_epi32(i[r][tt], w[tt], x);
+          const __m512i xt = bcast4(x[r] + t * kSpanBlocks);
+          for (int tt = 0; tt < T; ++tt) i[r][tt] = _mm512_dpbusd_epi32(i[r][tt], w[tt], xt);
         }
       }
       for (int r = 0; r < R; ++r) {
         const int64_t at = ((m + r) * a.spans + span) * kSpanBlocks;
-        const Vec d = bcast4(a.dv.data() + at);
+        const Vec d = bcast_span(a.dv.data() + at);
         for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(_mm512_cvtepi32_ps(i[r][tt]), _mm512_mul_ps(d, p[tt].sv[s]), f[r][tt]);
         if constexpr (!Symmetric) {
-          const Vec dq = bcast4(a.dq.data() + at);
+          const Vec dq = bcast_span(a.dq.data() + at);
           for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(p[tt].ov[s], dq, f[r][tt]);
         }
       }
@@ -656,7 +713,9 @@ void panel_tiles(const typename P::Rows& a, int64_t K, int64_t m0, int64_t rows,
       for (int c = 0; c < kChannels; ++c) {
         const int64_t ch = n + tt * kChannels + c;
         const float* lanes = acc + (r * T + tt) * kWidth + c * kSpanBlocks;
-        y[(m0 + r) * N + ch] = (o.bias ? o.bias[ch] : 0.f) + ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]));
+        float sum = 0.f;
+        for (int64_t b = 0; b < kSpanBlocks; ++b) sum += lanes[b];
+        y[(m0 + r) * N + ch] = (o.bias ? o.bias[ch] : 0.f) + sum;
       }
 }
 
