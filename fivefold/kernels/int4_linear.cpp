@@ -16,8 +16,10 @@
 // block's quants). Scales and offsets (float16, as GGUF stores them) are in the same tile-major
 // order, [groups, C] per tile, so a thread reads three sequential streams.
 //
-// Several rows: each byte vector becomes two vectors of dequantized float weights, which every row
-// then multiplies: with AVX-512, the 16 values scale * q + offset of a channel's group sit in one
+// From 8 rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
+// below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes). 2-7 rows:
+// each byte vector becomes two vectors of dequantized float weights, which every row then
+// multiplies: with AVX-512, the 16 values scale * q + offset of a channel's group sit in one
 // register and a permute looks the codes up in it (a zero extension, a shift and two permutes per
 // 32 weights); with AVX2, codes are converted and scaled with one FMA each. One row: the codes are
 // converted to floats (a zero extension, an AND, a shift, two conversions), the row's partial sums
@@ -582,13 +584,13 @@ struct FloatPanel {
   }
 };
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || !defined(__AVX512F__)
 #define FIVEFOLD_A8_PANELS 1
-constexpr int64_t kA8PanelMinRows = 8;  // 4 rows: tile_a8 1.07x faster; 8: this 1.2-1.35x
+constexpr int64_t kA8PanelMinRows = 8;  // 4 rows: tile_a8 1.07x faster; 8: this 1.2-1.35x (AVX-512 VNNI)
 
-// W4A8: the rows laid out for the panels: xr [M, spans, 8, 4] dwords of codes (vector t: block b's
-// 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, 4] int32 (symmetric: -8 x each block's
-// code sum, else 0), dv [M, spans, 4] (each block's d), dq [M, spans, 4] (d x code sum); zeros past K.
+// W4A8: the rows laid out for the panels: xr [M, spans, 8, B] dwords of codes (vector t: block b's
+// 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, B] int32 (symmetric: -8 x each block's
+// code sum, else 0), dv [M, spans, B] (each block's d), dq [M, spans, B] (d x code sum); zeros past K.
 struct Int8PanelRows {
   std::vector<int32_t> xr, init;
   std::vector<float> dv, dq;
@@ -598,20 +600,29 @@ struct Int8PanelRows {
     init.assign(M * spans * kSpanBlocks, 0);
     dv.assign(M * spans * kSpanBlocks, 0.f);
     dq.assign(M * spans * kSpanBlocks, 0.f);
+#if defined(__AVX512F__)
     // dword t of block b -> element 4t + b: one two-source permute per 16 dwords
     alignas(64) int32_t lo[16], hi[16];
     for (int t = 0; t < 4; ++t)
       for (int b = 0; b < 4; ++b) lo[4 * t + b] = b * 8 + t, hi[4 * t + b] = b * 8 + t + 4;
     const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+#endif
     for (int64_t m = 0; m < M; ++m)
       for (int64_t s = 0; s < spans; ++s) {
         const int64_t have = std::min<int64_t>(kSpanBlocks, a.blocks - s * kSpanBlocks) * kBlock;  // bytes of the span in K
         alignas(64) int8_t src[kSpanCols] = {};
         std::memcpy(src, a.xq + m * a.K + s * kSpanCols, have);
-        const __m512i z0 = _mm512_load_si512(src), z1 = _mm512_load_si512(src + 64);
         int32_t* out = xr.data() + (m * spans + s) * kSpanVecs * kSpanBlocks;
+#if defined(__AVX512F__)
+        const __m512i z0 = _mm512_load_si512(src), z1 = _mm512_load_si512(src + 64);
         _mm512_storeu_si512(out, _mm512_permutex2var_epi32(z0, ilo, z1));
         _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi32(z0, ihi, z1));
+#else  // dword t of block b -> element 2t + b: an interleave of the two blocks' dwords
+        const __m256i z0 = wload(reinterpret_cast<const uint8_t*>(src)), z1 = wload(reinterpret_cast<const uint8_t*>(src + 32));
+        const __m256i lo = _mm256_unpacklo_epi32(z0, z1), hi = _mm256_unpackhi_epi32(z0, z1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+#endif
       }
     for (int64_t m = 0; m < M; ++m)
       for (int64_t blk = 0; blk < a.blocks; ++blk) {
@@ -626,16 +637,60 @@ struct Int8PanelRows {
 };
 
 struct Int8Panel {
-  static constexpr int64_t kChunkSpans = 8;  // 1024 columns: a tile's codes 4 KB
-  static constexpr int kRows = 4;            // 8 int32 + 8 float accumulators, 2 weight vectors
+  static constexpr int64_t kChunkSpans = 1024 / kSpanCols;  // 1024 columns: a tile's codes 4 KB
+#if defined(__AVX512F__)
+  static constexpr int kRows = 4;  // 8 int32 + 8 float accumulators, 2 weight vectors
+#else
+  static constexpr int kRows = 3;  // 6 int16 + 6 float accumulators, 2 weight vectors, a broadcast of 16
+#endif
   using Rows = Int8PanelRows;
-  __m512i codes[kChunkSpans * kSpanVecs];
+  IVec codes[kChunkSpans * kSpanVecs];
   Vec sv[kChunkSpans], ov[kChunkSpans];
   void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
     code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/false, codes, sv, ov);
   }
   template <int R, int T, bool Symmetric>
   static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const Int8Panel* p, Vec (&f)[R][T]) {
+#if !defined(__AVX512F__)
+    // AVX2: vpmaddubsw sums each lane's code pairs times activations into int16; the 8 vectors of a
+    // span (a block's 32 columns per lane) stay in int16: a pair is at most 2 x 15 x 127 = 3810, so
+    // eight are at most 30480 < 32767 (no saturation), then vpmaddwd widens each lane's two halves.
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t s = 0; s < ns; ++s) {
+      const int64_t span = s0 + s;
+      const int32_t* x[R];
+      for (int r = 0; r < R; ++r) x[r] = a.xr.data() + ((m + r) * a.spans + span) * kSpanVecs * kSpanBlocks;
+      __m256i h[R][T];
+      for (int r = 0; r < R; ++r)
+        for (int tt = 0; tt < T; ++tt) h[r][tt] = _mm256_setzero_si256();
+      for (int64_t t = 0; t < kSpanVecs; ++t) {
+        __m256i w[T];
+        for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].codes[s * kSpanVecs + t];
+        for (int r = 0; r < R; ++r) {
+          int64_t v;
+          std::memcpy(&v, x[r] + t * kSpanBlocks, sizeof(v));
+          const __m256i xt = _mm256_set1_epi64x(v);
+          for (int tt = 0; tt < T; ++tt) h[r][tt] = _mm256_add_epi16(h[r][tt], _mm256_maddubs_epi16(w[tt], xt));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = ((m + r) * a.spans + span) * kSpanBlocks;
+        const Vec d = bcast_span(a.dv.data() + at);
+        int64_t init2;
+        std::memcpy(&init2, a.init.data() + at, sizeof(init2));
+        const __m256i init = _mm256_set1_epi64x(init2);
+        for (int tt = 0; tt < T; ++tt) {
+          __m256i i = _mm256_madd_epi16(h[r][tt], ones);
+          if constexpr (Symmetric) i = _mm256_add_epi32(i, init);
+          f[r][tt] = vfma(_mm256_cvtepi32_ps(i), vmul(d, p[tt].sv[s]), f[r][tt]);
+        }
+        if constexpr (!Symmetric) {
+          const Vec dq = bcast_span(a.dq.data() + at);
+          for (int tt = 0; tt < T; ++tt) f[r][tt] = vfma(p[tt].ov[s], dq, f[r][tt]);
+        }
+      }
+    }
+#else
     for (int64_t s = 0; s < ns; ++s) {
       const int64_t span = s0 + s;
       __m512i i[R][T];
@@ -663,6 +718,7 @@ struct Int8Panel {
         }
       }
     }
+#endif
   }
 };
 #endif
