@@ -13,6 +13,10 @@ from fivefold.errors import FivefoldError
 def add_parser(sub) -> None:
     """``fivefold serve``'s arguments."""
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    # `fivefold serve MODEL` as `vllm serve MODEL`; --model stays (one of the two)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it (built-in name, HF directory, org/name in the local "
+                            "Hugging Face cache, GGUF file)")
     common.add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -50,6 +54,53 @@ def add_parser(sub) -> None:
                        help="with --replicas: how requests are spread (default prefix-aware)")
     serve.add_argument("--replica-cpus", type=float, default=None,
                        help="with --replicas: CPUs (and torch threads) per replica; default: cores / replicas locally")
+    ops = serve.add_argument_group("operations")
+    ops.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="fivefold's own messages (default info)")
+    ops.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
+                     help="the HTTP server's messages (default warning; info prints uvicorn's access log too)")
+    ops.add_argument("--enable-log-requests", action="store_true",
+                     help="one line per request on stderr: request id, method, route, status, prompt and completion "
+                          "tokens, TTFT, total time (never the prompt text)")
+    ops.add_argument("--allowed-origins", default=None,
+                     help="CORS: comma-separated origins browsers may call from, or * (default: none)")
+    ops.add_argument("--ssl-keyfile", default=None, help="TLS: the private key (PEM); with --ssl-certfile")
+    ops.add_argument("--ssl-certfile", default=None, help="TLS: the certificate chain (PEM); with --ssl-keyfile")
+
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def check_operations(args) -> None:
+    """The operations options, checked before the model loads (one-line errors)."""
+    if args.model_tag is not None:
+        if args.model not in (common.DEFAULT_LLM, args.model_tag):
+            raise FivefoldError(f"the model is given twice ({args.model_tag} and --model {args.model}): give one")
+        args.model = args.model_tag
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise FivefoldError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise FivefoldError(f"{flag}: no such file {path}")
+    if args.allowed_origins is not None and not [o for o in args.allowed_origins.split(",") if o.strip()]:
+        raise FivefoldError("--allowed-origins: give origins (https://app.example.com,...) or *")
+
+
+def _scheme(args) -> str:
+    return "https" if args.ssl_certfile else "http"
+
+
+def apply_operations(app, args) -> None:
+    """Log levels, the access log and CORS on a built app (before it serves)."""
+    import logging
+
+    from fivefold.serve.operations import allow_origins, enable_access_log
+
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.getLogger("fivefold").setLevel(level)
+    if args.enable_log_requests:
+        enable_access_log()
+    if args.allowed_origins:
+        allow_origins(app, [o.strip() for o in args.allowed_origins.split(",") if o.strip()])
 
 
 def _run_uvicorn(app, args, worker=None) -> int:
@@ -58,8 +109,10 @@ def _run_uvicorn(app, args, worker=None) -> int:
     shuts down gracefully and the command exits 1, for a supervisor to restart it."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.shutdown_grace))
+    apply_operations(app, args)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                           timeout_graceful_shutdown=args.shutdown_grace,
+                                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile))
     failed = []
     if worker is not None:
         def on_fatal(exc: BaseException) -> None:
@@ -90,7 +143,7 @@ def _serve_encoder(args, path) -> int:
     name = args.served_model_name or args.model
     log = lambda text: print(text, file=sys.stderr)  # noqa: E731
     app, batcher, _ = create_embeddings_server(path, config, name, args.api_key, args.max_body_bytes, log)
-    print(f"fivefold: serving {args.model} (embeddings) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"fivefold: serving {args.model} (embeddings) on {_scheme(args)}://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         return _run_uvicorn(app, args, batcher)
     finally:
@@ -129,7 +182,7 @@ def _serve_replicas(args, spec) -> int:
         app = build_cluster_app(replicas, tokenizer, spec.served_model_name, api_key=args.api_key,
                                 max_body_bytes=args.max_body_bytes, admin_key=args.admin_key)
         cache = redact_url(spec.result_cache) if spec.result_cache else "off"
-        print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
+        print(f"fivefold: serving {args.model} on {_scheme(args)}://{args.host}:{args.port}/v1 with {args.replicas} replicas "
               f"({args.routing} routing, result cache: {cache})", file=sys.stderr)
         try:
             _run_uvicorn(app, args)
@@ -149,6 +202,7 @@ def run(args) -> int:
     from fivefold.serve.app import create_llm_server
     from fivefold.serve.http_base import check_key
 
+    check_operations(args)
     check_key("--api-key", args.api_key)  # before the model loads: a one-line error, not a login for anyone
     check_key("--admin-key (FIVEFOLD_ADMIN_KEY)", args.admin_key)
     path = resolve_model_path(args.model)
@@ -160,7 +214,7 @@ def run(args) -> int:
     if args.replicas is not None:
         return _serve_replicas(args, spec)
     engine, app = create_llm_server(spec, api_key=args.api_key, admin_key=args.admin_key)
-    print(f"fivefold: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"fivefold: serving {args.model} on {_scheme(args)}://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         return _run_uvicorn(app, args, engine)
     finally:

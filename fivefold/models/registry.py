@@ -8,6 +8,8 @@ and never imported.
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +59,28 @@ DEFAULT_LLM = "smollm2-135m-instruct"
 DEFAULT_ENCODER = "all-minilm-l6-v2"
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """A Hugging Face id (``org/name``) as its snapshot in the local cache (``HF_HOME``,
+    ``HF_HUB_CACHE``), offline: nothing is downloaded."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        # read here, not at huggingface_hub's import, so that the environment of the call counts
+        home = os.environ.get("HF_HOME")
+        cache_dir = os.environ.get("HF_HUB_CACHE") or (os.path.join(home, "hub") if home else None)
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache_dir))
+    except Exception as exc:  # LocalEntryNotFoundError, or no huggingface_hub at all
+        raise ModelLoadError(f"model '{repo_id}' is not in the local Hugging Face cache (HF_HOME) and fivefold "
+                             f"downloads nothing: fetch it first (huggingface-cli download {repo_id}) "
+                             f"or give a directory ({type(exc).__name__})") from None
+
+
 def resolve_model_path(name_or_path: str) -> Path:
-    """Turn a built-in name or a filesystem path into an existing path.
+    """Turn a built-in name, a filesystem path or a Hugging Face id in the local cache
+    (``org/name``, offline) into an existing path.
 
     Raises ModelLoadError with a one-line message when neither applies.
     """
@@ -72,6 +94,8 @@ def resolve_model_path(name_or_path: str) -> Path:
             )
         return path
     path = Path(name_or_path).expanduser()
+    if not path.exists() and _HUB_ID.fullmatch(name_or_path):
+        return _from_hf_cache(name_or_path)
     if not path.exists():
         raise ModelLoadError(
             f"model '{name_or_path}' not found: no such file or directory, and not a built-in name "

@@ -35,6 +35,7 @@ from fivefold.errors import EngineDeadError, QueueTimeoutError
 from fivefold.sampling_params import SamplingParams
 from fivefold.serve.admission import QueueAdmission
 from fivefold.serve.metrics import ServerMetrics
+from fivefold.serve.operations import note_output
 
 log = logging.getLogger("fivefold.engine")
 
@@ -165,6 +166,8 @@ class AsyncEngine:
                 if isinstance(item, RequestFailed):
                     raise item.error
                 finished = item.output.finished
+                if finished:
+                    note_output(item.output)  # this request's access line (operations.py)
                 yield item.output
                 if finished:
                     return

@@ -28,6 +28,7 @@ from fivefold.errors import (
     ReplicaUnavailableError,
 )
 from fivefold.serve.config import DEFAULT_MAX_BODY_BYTES, check_label
+from fivefold.serve.operations import REQUEST_ID, RequestLog
 from fivefold.serve.protocol import PromptVersionRequest
 
 PROMPT_VERSION_REFUSAL = ("X-Prompt-Version is not accepted from clients: the operator sets the prompt version "
@@ -51,6 +52,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                    error_type: str = "invalid_request_error") -> JSONResponse:
     """OpenAI's error body with this status."""
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code or status}}
+    request_id = REQUEST_ID.get()
+    if request_id is not None:  # the X-Request-Id of this request (operations.RequestLog)
+        body["error"]["request_id"] = request_id
     return JSONResponse(body, status_code=status)
 
 
@@ -297,6 +301,7 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
     check_key("--api-key", api_key)
     app = FastAPI(title="Fivefold", version="0.1.0", lifespan=lifespan)
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestLog)  # outside the guard: its refusals carry the request id too
     for exc_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
     ServerInfoAPI(model_name, metrics_text, is_healthy).register(app)

@@ -1,4 +1,10 @@
-"""Prometheus metrics of the server, named after vLLM's with a ``fivefold:`` prefix.
+"""Prometheus metrics of the server, named after vLLM's with a ``fivefold:`` prefix, and each
+also exposed under vLLM's own name and ``model_name`` label (``vllm:num_requests_running``,
+``vllm:time_to_first_token_seconds``, ...), so a dashboard built for vLLM's server reads this one
+unchanged. ``VLLM_NAMES`` maps ours to theirs; where vLLM has two names for one quantity across
+versions, both are exposed (``vllm:gpu_cache_usage_perc`` and ``vllm:kv_cache_usage_perc``: the
+KV pool's use here; ``vllm:time_per_output_token_seconds`` and
+``vllm:inter_token_latency_seconds``).
 
 Updated by the engine thread after every step, from the engine's ``stats()`` (queue sizes,
 KV use, prefix cache, preemptions, speculation) and the step's outputs (token counts and the
@@ -15,6 +21,51 @@ from fivefold.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+# fivefold metric (without its prefix) -> vLLM's names for it (prometheus_client adds _total to
+# counters on both sides). Ours with no vLLM counterpart (kv_cache_used_blocks,
+# kv_cache_num_blocks, the result cache's, spec_decode_acceptance_rate and mean_accepted_length)
+# keep the fivefold: name only.
+VLLM_NAMES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_success": ("request_success",),
+}
+
+
+class _Same:
+    """One quantity under several names: set / inc / observe / labels reach them all."""
+
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def set(self, value) -> None:
+        for m in self.metrics:
+            m.set(value)
+
+    def inc(self, amount=1) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+    def observe(self, value) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+    def labels(self, **labels) -> "_Same":
+        return _Same([m.labels(**labels) for m in self.metrics])
+
 
 class ServerMetrics:
     """The server's Prometheus registry and its metrics (one ``model_name`` label)."""
@@ -24,14 +75,18 @@ class ServerMetrics:
         labels = {"model_name": model_name}
         r = self.registry
 
+        def named(kind, name, doc, label_names=tuple(labels), **kw):
+            names = [f"fivefold:{name}"] + [f"vllm:{v}" for v in VLLM_NAMES.get(name, ())]
+            return _Same([kind(n, doc, list(label_names), registry=r, **kw) for n in names])
+
         def gauge(name, doc):
-            return Gauge(f"fivefold:{name}", doc, list(labels), registry=r).labels(**labels)
+            return named(Gauge, name, doc).labels(**labels)
 
         def counter(name, doc):
-            return Counter(f"fivefold:{name}", doc, list(labels), registry=r).labels(**labels)
+            return named(Counter, name, doc).labels(**labels)
 
         def histogram(name, doc):
-            return Histogram(f"fivefold:{name}", doc, list(labels), buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+            return named(Histogram, name, doc, buckets=LATENCY_BUCKETS).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -55,8 +110,8 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
-        self._success = Counter("fivefold:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+        self._success = named(Counter, "request_success", "Finished requests by finish reason.",
+                              ("model_name", "finished_reason"))
         self._labels = labels
         self._last_token_time: dict[str, float] = {}
         self._last_prefix = (0, 0)

@@ -144,8 +144,10 @@ def test_the_server_answers_500_internal_error_and_reports_unhealthy(tiny):
             assert not t.is_alive(), "a request outlived the bound"
         plain = replies["plain"]
         assert plain.status_code == 500
-        assert plain.json()["error"] == {"message": "the engine failed: RuntimeError: injected fault",
-                                         "type": "internal_error", "param": None, "code": 500}
+        error = plain.json()["error"]
+        assert error.pop("request_id") == plain.headers["x-request-id"]
+        assert error == {"message": "the engine failed: RuntimeError: injected fault",
+                         "type": "internal_error", "param": None, "code": 500}
         *_, error_event, done = replies["stream"]  # the stream had started: the error comes as an event
         assert '"type": "internal_error"' in error_event and "injected fault" in error_event
         assert done == "data: [DONE]"
@@ -200,7 +202,9 @@ def test_fivefold_serve_exits_1_when_its_engine_fails():
     from tests.conftest import free_port
 
     worker = SimpleNamespace(on_fatal=None)
-    args = SimpleNamespace(host="127.0.0.1", port=free_port(), shutdown_grace=1)
+    from fivefold.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", str(free_port()), "--shutdown-grace", "1"])
 
     async def app(scope, receive, send):  # a bare ASGI app: only the exit path is under test
         if scope["type"] == "lifespan":

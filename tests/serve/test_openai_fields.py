@@ -217,8 +217,10 @@ def test_every_refused_field_is_named_in_its_400(server):
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
             r = post(server, path, {**body, name: "x", "max_tokens": 1})
             assert r.status_code == 400, (name, r.text)
-            assert r.json()["error"] == {"message": reason, "type": "invalid_request_error", "param": name,
-                                         "code": "unsupported_field"}
+            error = r.json()["error"]
+            assert error.pop("request_id") == r.headers["x-request-id"]
+            assert error == {"message": reason, "type": "invalid_request_error", "param": name,
+                             "code": "unsupported_field"}
 
 
 def test_tools_on_a_template_that_cannot_render_them(server):
