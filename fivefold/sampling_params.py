@@ -86,7 +86,9 @@ class SamplingParams:
     values in [-100, 100] added to the logits before anything else (OpenAI's rule); a dict is
     accepted and stored as sorted (id, bias) pairs so the params stay hashable.
     ``structured_outputs`` constrains the output to a grammar (:class:`StructuredOutputs`); the
-    request stops when the grammar is complete.
+    request stops when the grammar is complete. ``min_tokens`` (vLLM's): until that many tokens
+    are out, EOS and ``stop_token_ids`` are masked from sampling and stop strings do not end the
+    request (``max_tokens`` and a complete grammar still do).
     """
 
     max_tokens: int = 16
@@ -108,6 +110,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_outputs: StructuredOutputs | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -121,6 +124,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"),
             (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 to disable), got {self.top_k}"),

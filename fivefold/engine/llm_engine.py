@@ -107,6 +107,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         seq = Sequence(request_id, token_ids, params)
+        if params.min_tokens:
+            seq.min_tokens_ban = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)))
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_compiler.compile(params.structured_outputs, self.config.grammar_budget_s)
             seq.grammar.start()
@@ -338,6 +340,10 @@ class LLMEngine:
 
     def _check_stop(self, state: _RequestState, token_id: int) -> None:
         seq, params = state.seq, state.seq.params
+        if seq.num_output_tokens < params.min_tokens:  # nothing stops it early (EOS was masked anyway)
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish("length")
+            return
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             seq.finish("stop", token_id)
         elif token_id in params.stop_token_ids:

@@ -49,6 +49,15 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits
 
 
+def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None) -> torch.Tensor:
+    """-inf on each row's min_tokens_ban while fewer than params.min_tokens tokens are out (offsets:
+    tokens each row comes after its sequence's last one, for speculative verification)."""
+    for row, seq in enumerate(seqs):
+        if seq.min_tokens_ban and seq.num_output_tokens + (offsets[row] if offsets else 0) < seq.params.min_tokens:
+            logits[row, list(seq.min_tokens_ban)] = float("-inf")
+    return logits
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (set to -inf) tokens outside each row's top-k, then nucleus top-p, then min-p, each on
     what the one before kept (vLLM's and transformers' order: top-p's mass is that of the top-k)."""
@@ -108,11 +117,14 @@ class Sampler:
         return SamplerOutput(token_ids, token_logprobs(raw, token_ids, [s.params.logprobs for s in seqs]))
 
     @staticmethod
-    def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Logit bias, penalties and grammar masks applied (a copy when any applies); row i is of seqs[i]."""
+    def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None) -> torch.Tensor:
+        """Logit bias, penalties, min_tokens and grammar masks applied (a copy when any applies); row i
+        is of seqs[i], ``offsets[i]`` tokens after its last one (speculative verification)."""
         raw = logits
         if any(s.params.logit_bias for s in seqs):
             logits = apply_logit_bias(logits.clone(), seqs)
+        if any(s.min_tokens_ban for s in seqs):
+            logits = apply_min_tokens(logits.clone() if logits is raw else logits, seqs, offsets)
         if any(s.params.has_penalties for s in seqs):
             logits = apply_penalties(logits.clone() if logits is raw else logits, seqs)
         grammars = [s.grammar for s in seqs]

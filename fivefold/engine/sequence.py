@@ -78,6 +78,8 @@ class Sequence:
     # Proposed continuation of token_ids (speculative decoding): computed this step after the last
     # token, verified against the target's logits, then dropped; never counted in num_tokens.
     spec_token_ids: list[int] = field(default_factory=list)
+    # tokens masked while fewer than params.min_tokens are out: EOS and stop_token_ids (the engine sets it)
+    min_tokens_ban: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

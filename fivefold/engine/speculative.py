@@ -204,7 +204,8 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     (the last computed token's, then each proposal's) in order.
     """
     rows = [seq for seq in seqs for _ in range(len(seq.spec_token_ids) + 1)]
-    logits = Sampler.adjusted_logits(logits, rows)
+    offsets = [j for seq in seqs for j in range(len(seq.spec_token_ids) + 1)]
+    logits = Sampler.adjusted_logits(logits, rows, offsets)
     argmax = logits.argmax(dim=-1).tolist()
     probs = Sampler.probabilities(logits, rows)
     kept: list[list[int]] = []

@@ -50,9 +50,10 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (``tools``: OpenAI's
-        tool definitions, for templates that render them)."""
+        tool definitions, for templates that render them; ``template_kwargs``: extra template
+        variables, e.g. Qwen3's ``enable_thinking``)."""
         if not self.has_chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; use a plain prompt instead")
         from jinja2 import TemplateError
@@ -61,7 +62,7 @@ class Tokenizer:
 
         try:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                               tools=tools)
+                                               tools=tools, **(template_kwargs or {}))
         except TemplateError as exc:  # e.g. raise_exception() for roles that do not alternate
             raise InvalidRequestError(f"the chat template refused the messages: {exc}") from None
         # The template writes the special tokens itself (BOS included), so add none.

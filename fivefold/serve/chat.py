@@ -99,8 +99,10 @@ class ChatAPI(GenerationAPI):
         asked = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
         choice = check_tool_request(tools, asked, self.tokenizer.hf.chat_template)
         calls_tools = choice != "none"
+        template_kwargs = req.template_kwargs()
         prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.apply_chat_template(
-            chat_messages(req), add_generation_prompt=True, tools=tools if calls_tools else None))
+            chat_messages(req), add_generation_prompt=True, tools=tools if calls_tools else None,
+            template_kwargs=template_kwargs))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, self.client.max_model_len - len(prompt_ids))

@@ -59,10 +59,8 @@ REFUSED_FIELDS = {
     "top_a": "top_a is not supported",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
-    "min_tokens": "min_tokens is not supported",
     "guided_decoding_backend": "guided_decoding_backend is not selectable: the server has one grammar engine",
     "chat_template": "a request's own chat_template is not accepted: the model's template is used",
-    "chat_template_kwargs": "chat_template_kwargs is not supported",
     "documents": "documents is not supported",
     "mm_processor_kwargs": "mm_processor_kwargs is not supported: the served model is text-only",
     "priority": "priority is not supported: requests are served first come, first served",
@@ -117,6 +115,7 @@ class _SamplingFields(BaseModel):
     min_p: float = bounded(0.0, minimum=0, maximum=1)
     repetition_penalty: float = bounded(1.0, exclusiveMinimum=0, maximum=2)
     ignore_eos: bool = False
+    min_tokens: int = bounded(0, minimum=0)  # vLLM's: EOS and stop_token_ids masked until then
     logit_bias: dict[str, float] | None = bounded(None, maxProperties=MAX_LOGIT_BIAS_TOKENS)
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -140,6 +139,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, n=self.n, logit_bias=self.logit_bias or (), stop_token_ids=self.stop_token_ids or (),
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs_of(self, forced),
+            min_tokens=self.min_tokens,
         )
 
 
@@ -211,6 +211,10 @@ class NamedToolChoice(BaseModel):
 
 
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32
+# what the server passes the template itself: a request cannot override it
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                         "chat_template", "continue_final_message", "return_dict"})
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -221,6 +225,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = bounded(None, minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = bounded(None, minimum=0, maximum=MAX_LOGPROBS)
+    # extra variables for the chat template (vLLM's; e.g. Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = bounded(None, maxProperties=MAX_TEMPLATE_KWARGS)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked: at most MAX_TEMPLATE_KWARGS names, none of the variables
+        the server sets itself (400 naming it)."""
+        from fivefold.errors import InvalidRequestError
+
+        kwargs = self.chat_template_kwargs or {}
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise InvalidRequestError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} names, got {len(kwargs)}")
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs: {taken[0]} is set by the server, not by the request")
+        return kwargs
 
     def to_sampling_params(self, max_tokens: int,
                            forced: tuple[str, StructuredOutputs] | None = None) -> SamplingParams:
