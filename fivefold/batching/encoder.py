@@ -1,9 +1,13 @@
 """A BERT sentence encoder behind the dynamic batcher, and the "auto" queue delay.
 
-Embeddings follow sentence-transformers for all-MiniLM-L6-v2: tokenize with [CLS]/[SEP],
-run the encoder, mean-pool over real tokens, L2-normalise. An input longer than the
-model's ``max_seq_length`` (sentence_bert_config.json; else its position table) is
-refused rather than silently cut, as the OpenAI API refuses an input over the context.
+Embeddings follow the model's sentence-transformers files: tokenize with [CLS]/[SEP], run the
+encoder, pool as its Pooling module says (``1_Pooling/config.json``: mean, CLS, last token, max
+or mean over sqrt(length)), L2-normalise when modules.json lists a Normalize module. A directory
+without sentence-transformers files gets mean pooling and normalisation (all-MiniLM-L6-v2's, and
+TEI's default), stated in ``EncoderModel.pooling``. An input longer than the model's
+``max_seq_length`` (sentence_bert_config.json; else its position table) is refused rather than
+silently cut, as the OpenAI API refuses an input over the context, unless the request asks for
+truncation.
 """
 
 from __future__ import annotations
@@ -27,6 +31,38 @@ def is_encoder_dir(path: Path) -> bool:
         return json.loads(config.read_text()).get("model_type") == "bert"
     except (OSError, json.JSONDecodeError):
         return False
+
+
+# sentence-transformers' Pooling config flags -> our mode names
+_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                  "pooling_mode_lasttoken": "lasttoken", "pooling_mode_max_tokens": "max",
+                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
+
+
+def read_pooling(path: Path) -> tuple[str, bool]:
+    """(pooling mode, normalize) from a sentence-transformers directory's modules.json and its
+    Pooling module's config.json; ("mean", True) without them. A config that combines modes
+    (sentence-transformers concatenates them) or names none is refused in one line."""
+    modules_file = path / "modules.json"
+    if not modules_file.exists():
+        return "mean", True
+    try:
+        modules = json.loads(modules_file.read_text())
+        types = [m.get("type", "") for m in modules]
+        pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), None)
+        normalize = any(t.endswith(".Normalize") for t in types)
+        if pooling_dir is None:
+            return "mean", normalize
+        config = json.loads((path / pooling_dir / "config.json").read_text())
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{path}: the sentence-transformers pooling files are unreadable: {exc}") from None
+    modes = [mode for flag, mode in _POOLING_FLAGS.items() if config.get(flag)]
+    if config.get("pooling_mode") in _POOLING_FLAGS.values():  # newer sentence-transformers also write this
+        modes = [config["pooling_mode"]]
+    if len(modes) != 1:
+        raise ModelLoadError(f"{path / pooling_dir / 'config.json'}: pooling must be exactly one of "
+                             f"{', '.join(_POOLING_FLAGS.values())}; got {modes or 'none'}")
+    return modes[0], normalize
 
 
 class EncoderModel:
@@ -58,6 +94,7 @@ class EncoderModel:
             except (KeyError, ValueError, json.JSONDecodeError) as exc:
                 raise ModelLoadError(f"{st_config} is unreadable: {exc}") from None
         self.pad_id = self.tokenizer.hf.pad_token_id or 0
+        self.pooling, self.normalize = read_pooling(path)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the special tokens, refused if over ``max_length``."""
@@ -74,7 +111,7 @@ class EncoderModel:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
 
     def embed(self, batch: list[list[int]]) -> list[torch.Tensor]:
-        from fivefold.models.bert import mean_pool
+        from fivefold.models.bert import pool
 
         longest = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
@@ -83,7 +120,7 @@ class EncoderModel:
             input_ids[i, : len(ids)] = torch.tensor(ids)
             mask[i, : len(ids)] = 1
         with torch.inference_mode():
-            vectors = mean_pool(self.model(input_ids, mask), mask)
+            vectors = pool(self.model(input_ids, mask), mask, self.pooling, self.normalize)
         return list(vectors)
 
 

@@ -144,8 +144,33 @@ class BertEncoder(nn.Module):
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Sentence embeddings as sentence-transformers' mean pooling, L2-normalised, [B, hidden]."""
+    return pool(hidden, attention_mask, "mean", normalize=True)
+
+
+POOLING_MODES = ("mean", "cls", "lasttoken", "max", "mean_sqrt_len")
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor:
+    """Sentence embeddings [B, hidden] from token states [B, T, hidden], as sentence-transformers'
+    Pooling module computes them (padding on the right): the mean over real tokens, the first
+    ([CLS]) token's state, the last real token's, the max over real tokens, or the sum over
+    sqrt(length); then L2-normalised when the model has a Normalize module."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9), dim=-1)
+    lengths = mask.sum(1).clamp(min=1e-9)
+    if mode == "mean":
+        out = (hidden * mask).sum(1) / lengths
+    elif mode == "cls":
+        out = hidden[:, 0]
+    elif mode == "lasttoken":
+        last = attention_mask.sum(1).long().clamp(min=1) - 1
+        out = hidden[torch.arange(hidden.shape[0]), last]
+    elif mode == "max":
+        out = hidden.masked_fill(mask == 0, float("-inf")).max(1).values
+    elif mode == "mean_sqrt_len":
+        out = (hidden * mask).sum(1) / lengths.sqrt()
+    else:
+        raise ValueError(f"pooling mode {mode!r}: one of {', '.join(POOLING_MODES)}")
+    return F.normalize(out, dim=-1) if normalize else out
 
 
 def load_bert(path: str | Path) -> BertEncoder:
