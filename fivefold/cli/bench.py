@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fivefold.cli import common
 from fivefold.errors import FivefoldError
 from fivefold.models.registry import DEFAULT_LLM
@@ -27,6 +29,14 @@ def add_parser(sub) -> None:
     bs.add_argument("--url", default="http://127.0.0.1:8000")
     bs.add_argument("--model", default=DEFAULT_LLM)
     bs.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "pydoc"])
+    bs.add_argument("--dataset-path", default=None,
+                    help="prompts from a JSONL file (prompt/text/messages per line) or a ShareGPT JSON (instead of --dataset)")
+    bs.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    bs.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    bs.add_argument("--tokenizer", default=None,
+                    help="count prompt tokens (and draw random ids) with this model's tokenizer; default: the "
+                         "server's /tokenize, else its usage")
     bs.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
     bs.add_argument("--num-requests", type=int, default=64)
     bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
