@@ -96,9 +96,13 @@ class EncoderModel:
         self.pad_id = self.tokenizer.hf.pad_token_id or 0
         self.pooling, self.normalize = read_pooling(path)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the special tokens, refused if over ``max_length``."""
+    def encode(self, text: str, truncate_to: int | None = None) -> list[int]:
+        """Token ids of ``text`` with the special tokens, refused if over ``max_length``; with
+        ``truncate_to``, cut to that many first (the end goes, the closing [SEP] stays:
+        sentence-transformers' and TEI's right truncation)."""
         ids = self.tokenizer.encode(text, add_special_tokens=True)
+        if truncate_to is not None and len(ids) > truncate_to:
+            ids = ids[: truncate_to - 1] + ids[-1:] if truncate_to > 1 else ids[:1]
         self.check_ids(ids)
         return ids
 
@@ -111,6 +115,13 @@ class EncoderModel:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
 
     def embed(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """The model's embeddings: pooled, then L2-normalised when the model says so."""
+        vectors = self.pooled(batch)
+        return [torch.nn.functional.normalize(v, dim=0) for v in vectors] if self.normalize else vectors
+
+    def pooled(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """The pooled vectors before any normalisation (what the batcher computes: the server
+        normalises per API, TEI's /embed taking ``normalize`` from the request)."""
         from fivefold.models.bert import pool
 
         longest = max(len(ids) for ids in batch)
@@ -120,7 +131,7 @@ class EncoderModel:
             input_ids[i, : len(ids)] = torch.tensor(ids)
             mask[i, : len(ids)] = 1
         with torch.inference_mode():
-            vectors = pool(self.model(input_ids, mask), mask, self.pooling, self.normalize)
+            vectors = pool(self.model(input_ids, mask), mask, self.pooling, normalize=False)
         return list(vectors)
 
 

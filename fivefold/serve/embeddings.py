@@ -8,7 +8,14 @@ float32 little-endian bytes, base64-encoded, as OpenAI does. ``dimensions`` keep
 first d components and re-normalises them (Matryoshka-style truncation; this model was
 not trained for it, so quality drops as d shrinks, but the caller asked for it).
 Errors: 400 for an empty or too-long input, too many inputs, bad token ids or a bad
-``dimensions`` (each naming the limit); 413, 422, 429 and 503 as on the LLM server.
+``dimensions`` (each naming the limit); 413, 422, 429 and 503 as on the LLM server. An input
+over the model's limit is cut instead when the request asks: vLLM's ``truncate_prompt_tokens``
+(k tokens, or -1 for the limit) on /v1/embeddings, TEI's ``truncate`` on /embed; the end goes
+and the closing [SEP] stays (right truncation, as sentence-transformers and TEI cut).
+
+``POST /embed`` is TEI's: ``{"inputs": str | [str], "truncate", "normalize"}`` answers a JSON
+list of vectors; ``normalize: false`` gives the pooled vectors as they are. /v1/embeddings
+normalises as the model's sentence-transformers files say.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from fivefold.serve.http_base import (
     check_model,
     registry_text,
 )
-from fivefold.serve.protocol import EmbeddingRequest
+from fivefold.serve.protocol import EmbeddingRequest, EmbedRequest
 
 MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's limit
 
@@ -54,10 +61,22 @@ class EmbeddingsAPI:
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        app.add_api_route("/embed", self.embed, methods=["POST"])
 
-    def token_lists(self, req: EmbeddingRequest) -> list[list[int]]:
-        """The token ids of each input (400 naming the input that is empty or invalid)."""
-        raw = req.input
+    def truncation(self, k: int | None, param: str) -> int | None:
+        """Tokens to cut each input to (None: refuse long inputs), from truncate_prompt_tokens."""
+        limit = self.encoder.max_length
+        if k is None:
+            return None
+        if k == -1:
+            return limit
+        if not 1 <= k <= limit:
+            raise APIError(400, f"{param} must be -1 or in [1, {limit}] (this model's limit), got {k}", param)
+        return k
+
+    def token_lists(self, raw, truncate_to: int | None = None) -> list[list[int]]:
+        """The token ids of each input (400 naming the input that is empty or invalid), cut to
+        ``truncate_to`` tokens when given."""
         if isinstance(raw, str):
             raw = [raw]
         elif raw and isinstance(raw[0], int):
@@ -72,10 +91,11 @@ class EmbeddingsAPI:
                 if isinstance(item, str):
                     if not item:
                         raise FivefoldError("input is an empty string")
-                    lists.append(self.encoder.encode(item))
+                    lists.append(self.encoder.encode(item, truncate_to))
                 else:
+                    item = list(item)[:truncate_to] if truncate_to else list(item)
                     self.encoder.check_ids(item)
-                    lists.append(list(item))
+                    lists.append(item)
             except FivefoldError as exc:
                 where = "" if len(raw) == 1 else f"input[{i}]: "
                 raise APIError(400, f"{where}{exc}", "input") from None
@@ -86,7 +106,18 @@ class EmbeddingsAPI:
         hidden_size = self.encoder.hidden_size
         if req.dimensions is not None and not 1 <= req.dimensions <= hidden_size:
             raise APIError(400, f"dimensions must be in [1, {hidden_size}], got {req.dimensions}", "dimensions")
-        lists = self.token_lists(req)
+        lists = self.token_lists(req.input, self.truncation(req.truncate_prompt_tokens, "truncate_prompt_tokens"))
+        vectors = await self.vectors(lists, request, self.encoder.normalize)
+        num_tokens = sum(len(ids) for ids in lists)
+        return {"object": "list", "model": self.model_name,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": encode_vector(v, req.dimensions, req.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+    async def vectors(self, lists: list[list[int]], request: Request, normalize: bool) -> list[torch.Tensor]:
+        """Each input's pooled vector through the batcher, L2-normalised when asked."""
         futures = [asyncio.wrap_future(f) for f in self.batcher.submit_many([(ids, len(ids)) for ids in lists])]
         try:
             vectors = await await_unless_disconnected(request, futures)
@@ -94,12 +125,15 @@ class EmbeddingsAPI:
             for f in futures:
                 f.cancel()  # the request failed (e.g. one input timed out): drop its other inputs
             raise
-        num_tokens = sum(len(ids) for ids in lists)
-        return {"object": "list", "model": self.model_name,
-                "data": [{"object": "embedding", "index": i,
-                          "embedding": encode_vector(v, req.dimensions, req.encoding_format)}
-                         for i, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+        return [torch.nn.functional.normalize(v, dim=0) for v in vectors] if normalize else list(vectors)
+
+    async def embed(self, req: EmbedRequest, request: Request):
+        """TEI's /embed: a list of vectors, one per input."""
+        inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        if not inputs:
+            raise APIError(400, "inputs is empty; give a string or strings", "inputs")
+        lists = self.token_lists(inputs, self.encoder.max_length if req.truncate else None)
+        return [v.tolist() for v in await self.vectors(lists, request, req.normalize)]
 
 
 def build_embeddings_app(encoder: EncoderModel, batcher: DynamicBatcher, model_name: str, metrics_registry=None,
@@ -133,6 +167,6 @@ def create_embeddings_server(path, config: BatcherConfig, model_name: str, api_k
                 f"({delay / config.auto_delay_factor * 1e3:.1f} ms) = {delay * 1e3:.1f} ms "
                 "(--max-queue-delay SECONDS overrides)")
     metrics = BatcherMetrics(model_name)
-    batcher = DynamicBatcher(encoder.embed, config, delay, metrics.on_batch, metrics.on_reject)
+    batcher = DynamicBatcher(encoder.pooled, config, delay, metrics.on_batch, metrics.on_reject)
     app = build_embeddings_app(encoder, batcher, model_name, metrics.registry, api_key, max_body_bytes)
     return app, batcher, delay

@@ -260,6 +260,20 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's: cut each input to this many tokens instead of refusing it (-1: the model's limit)
+    truncate_prompt_tokens: int | None = None
+
+
+class EmbedRequest(BaseModel):
+    """TEI's ``POST /embed`` body: ``inputs`` (a string or strings), ``truncate`` (cut inputs
+    over the model's limit instead of a 413/400), ``normalize`` (L2, default true)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | list[str]
+    truncate: bool = False
+    truncation_direction: Literal["Right", "right"] = "Right"
+    normalize: bool = True
 
 
 class PromptVersionRequest(BaseModel):

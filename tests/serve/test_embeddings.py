@@ -185,3 +185,37 @@ def test_fivefold_serve_runs_an_encoder_with_auto_delay():
     bad = subprocess.run([sys.executable, "-m", "fivefold", "serve", "--model", NAME, "--max-queue-delay", "soon"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip() == "error: --max-queue-delay must be 'auto' or seconds, got 'soon'"
+
+
+def test_truncation_when_asked_and_tei_embed(server):
+    """vLLM's truncate_prompt_tokens and TEI's /embed with truncate: a long input is cut (its end,
+    the closing [SEP] kept) and embedded as the cut text is, instead of refused; /embed answers
+    TEI's list of vectors, normalised unless normalize is false."""
+    url, _ = server
+    encoder = EncoderModel(resolve_model_path(NAME))
+    long_text = "word " * 400
+    cut = encoder.encode(long_text, truncate_to=256)
+    assert len(cut) == 256 and cut[0] == encoder.tokenizer.hf.cls_token_id and cut[-1] == encoder.tokenizer.hf.sep_token_id
+    want = torch.nn.functional.normalize(encoder.pooled([cut])[0], dim=0)
+
+    def post(path, body):
+        r = httpx.post(url + path, json=body, timeout=60)
+        return r.status_code, r.json()
+
+    for k in (-1, 256):
+        status, body = post("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": k})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 256
+        assert np.allclose(body["data"][0]["embedding"], want.numpy(), atol=1e-5)
+    status, body = post("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 16})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 16
+    status, body = post("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 300})
+    assert status == 400 and "truncate_prompt_tokens must be -1 or in [1, 256]" in body["error"]["message"]
+
+    status, body = post("/embed", {"inputs": [long_text, "short one"], "truncate": True})
+    assert status == 200 and len(body) == 2 and np.allclose(body[0], want.numpy(), atol=1e-5)
+    status, body = post("/embed", {"inputs": long_text})
+    assert status == 400 and "this model's limit is 256 tokens" in body["error"]["message"]
+    _, normalised = post("/embed", {"inputs": "short one"})
+    _, raw = post("/embed", {"inputs": "short one", "normalize": False})
+    assert abs(np.linalg.norm(normalised[0]) - 1) < 1e-5 and abs(np.linalg.norm(raw[0]) - 1) > 1e-3
+    assert np.allclose(np.array(raw[0]) / np.linalg.norm(raw[0]), normalised[0], atol=1e-6)
