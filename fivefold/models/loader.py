@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from fivefold.errors import ModelLoadError
+from fivefold.errors import FivefoldError, ModelLoadError
 from fivefold.models.config import ModelConfig
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.models.registry import resolve_model_path
@@ -382,6 +382,10 @@ def state_entries(model: torch.nn.Module) -> dict[str, tuple[tuple, torch.dtype,
     return entries
 
 
+# a quantized layer's buffers beside its weight (int8_linear.py): not part of a float checkpoint
+QUANTIZATION_BUFFERS = frozenset({"weight_scale", "input_scale", "input_zero_point", "input_clip"})
+
+
 def export_hf_directory(loaded: LoadedModel, out_dir: str | Path) -> Path:
     """Write the loaded weights as a Hugging Face directory (float32 safetensors,
     un-fused names, config.json, tokenizer), e.g. to run transformers or vLLM on
@@ -393,8 +397,11 @@ def export_hf_directory(loaded: LoadedModel, out_dir: str | Path) -> Path:
     config = loaded.config
     state: dict[str, torch.Tensor] = {}
     for name, tensor in loaded.model.state_dict().items():
-        if name == "lm_head.weight" and config.is_tied_embeddings:
-            continue
+        if name.startswith("lm_head.") and config.is_tied_embeddings:
+            continue  # the embedding is the head; a head kept int8 (a GGUF's Q8_0) also has scales here
+        if name.rsplit(".", 1)[-1] in QUANTIZATION_BUFFERS:
+            raise FivefoldError(f"export_hf_directory writes float weights; {name} belongs to a quantized layer "
+                                "(load the model without --quantization, or export with `fivefold quantize`)")
         tensor = tensor.float().contiguous()
         if ".qkv_proj." in name:
             q, k, v = tensor.split([config.q_size, config.kv_size, config.kv_size], dim=0)

@@ -50,6 +50,22 @@ def test_export_hf_directory_round_trips(tmp_path):
     _same_weights(loaded, load_model(str(tmp_path / "out")))
 
 
+def test_export_of_the_builtin_gguf_holds_only_a_float_checkpoints_names(tmp_path, smollm2):
+    """The built-in file keeps its tied Q8_0 head as int8, with scale buffers: the export writes
+    none of them (vLLM refused the directory: "no parameter named lm_head.input_clip"), and
+    transformers finds exactly its own parameters."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    export_hf_directory(smollm2, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any(n.startswith("lm_head.") for n in names)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    expected = {k for k in model.state_dict() if k != "lm_head.weight"}
+    assert names == expected
+
+
 def test_chat_template_from_hf_directory(tmp_path):
     save_random_hf_model("qwen2", tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
