@@ -19,7 +19,10 @@ all-MiniLM-L6-v2 (float): every linear quantized to 4 bits (RTN and GPTQ; AWQ's 
 decoders), mean/min cosine of sentence embeddings to float32 and top-1 retrieval agreement (the
 nearest of the other held-out sentences to each one, float32's choice vs the quantized model's).
 
-    .venv/bin/python benchmarks/int4_quality.py [--groups 64,128] [--methods rtn,gptq,awq] [--quick]
+    .venv/bin/python benchmarks/int4_quality.py [--groups 64,128] [--methods rtn,gptq,awq] [--tune-steps 64] [--quick]
+
+``--tune-steps N`` (default 64) adds GPTQ rows whose group scales were then trained end to end
+against the float logits (fivefold.quant.int4_tune; about 2 s per step on two cores).
 
 Prints tables and one JSON line.
 """
@@ -119,6 +122,8 @@ def llm_rows(args, console) -> list[dict]:
              "quantize_s": 0.0}]
     configs = [Int4Config(method=m, group_size=g) for g in args.groups for m in args.methods]
     configs.append(Int4Config(method="rtn", group_size=32, symmetric=True))  # llama.cpp Q4_0's form, our RTN
+    # then the same GPTQ codes with their scales trained against the float logits (int4_tune)
+    configs += [Int4Config(method="gptq", group_size=g, tune_steps=args.tune_steps) for g in args.groups if args.tune_steps]
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("4-bit methods", total=len(configs))
         for config in configs:
@@ -132,6 +137,7 @@ def llm_rows(args, console) -> list[dict]:
                 ppl, acc = language_metrics(model, windows)
                 label = config.label.replace("W4A16", "W4A8") if activations == "int8" else config.label
                 rows.append({"name": label, "method": config.method, "group": config.group_size,
+                             "tune_steps": config.tune_steps,
                              "symmetric": config.symmetric, "activations": activations,
                              "bits": bits_per_weight(model), "perplexity": ppl, "accuracy": acc, "quantize_s": seconds})
             del model
@@ -222,6 +228,8 @@ def main() -> None:
     ap.add_argument("--num-calibration", type=int, default=32)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--parts", default="llm,minilm")
+    ap.add_argument("--tune-steps", type=int, default=64,
+                    help="also GPTQ with its group scales tuned end to end for this many windows (0: no such rows)")
     ap.add_argument("--activations", default="float,int8",
                     help="each 4-bit model measured with float activations (W4A16) and/or int8 ones (W4A8)")
     ap.add_argument("--quick", action="store_true", help="4 held-out windows, 8 calibration windows, 64 sentences")
@@ -230,7 +238,7 @@ def main() -> None:
     args.methods = [m for m in args.methods.split(",") if m]
     args.activations = [a for a in args.activations.split(",") if a]
     if args.quick:
-        args.num_eval, args.num_calibration = 4, 8
+        args.num_eval, args.num_calibration, args.tune_steps = 4, 8, min(args.tune_steps, 8)
 
     from rich.console import Console
     from rich.table import Table

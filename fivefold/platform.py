@@ -213,3 +213,15 @@ def release_free_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); 8 GiB when it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

@@ -14,6 +14,10 @@ def add_parser(sub) -> None:
     qz.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
                     help="w4a16, w4a8: round to nearest, GPTQ or AWQ (GPTQ and AWQ calibrate on --num-calibration windows)")
     qz.add_argument("--group-size", type=int, default=128, help="w4a16, w4a8: weights per scale (32, 64, 128, 256)")
+    qz.add_argument("--tune-steps", type=int, default=0,
+                    help="w4a16, w4a8: then train the group scales (codes kept) for N calibration windows against "
+                         "the float model's logits (0: off; e.g. 64 with --num-calibration 32)")
+    qz.add_argument("--tune-lr", type=float, default=1e-4, help="Adam learning rate of --tune-steps (cosine to 0)")
     qz.add_argument("--symmetric-weights", action="store_true",
                     help="w4a16, w4a8: codes q - 8 with one scale per group (GGUF Q4_0), no minimum")
     qz.add_argument("--activation", default="dynamic", choices=["dynamic", "static"], help="w8a8 activations")
@@ -64,7 +68,10 @@ def run(args) -> int:
         from fivefold.quant.int4 import Int4Config
 
         config = Int4Config(group_size=args.group_size, symmetric=args.symmetric_weights, method=args.method,
-                            skip=tuple(args.skip), activations="int8" if args.scheme == "w4a8" else "float")
+                            skip=tuple(args.skip), activations="int8" if args.scheme == "w4a8" else "float",
+                            tune_steps=args.tune_steps, tune_lr=args.tune_lr)
+    elif args.tune_steps:
+        raise FivefoldError(f"--tune-steps trains 4-bit group scales: use --scheme w4a16 or w4a8, not {args.scheme}")
     else:
         config = Int8Config(scheme=args.scheme, weight_granularity=args.granularity, activation=args.activation,
                             activation_granularity=args.activation_granularity,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from fivefold.errors import FivefoldError
+from fivefold.platform import available_memory_bytes  # noqa: F401  (re-exported: memory_plan, tests)
 
 
 PREALLOCATION_POLICIES = ("none", "full", "predicted")
@@ -15,18 +16,6 @@ PREFILL_ATTENTION_BACKENDS = ("sdpa", "tiled")
 DECODE_LOOPS = ("cpp", "python")
 SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "int8")
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); 8 GiB when it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30

@@ -25,6 +25,10 @@ GPTQ on a Llama-family decoder runs layer by layer (``sequential``): each projec
 taken on the outputs of the projections quantized before it, and each group's range is searched
 (``clip_steps``) against the rounding error weighted by diag H. AWQ's statistics are those of the
 float model (one calibration pass collects them all).
+
+``tune_steps`` > 0 then trains the group scales and minimums (codes kept) end to end against the
+float model's logits on the calibration windows (:mod:`fivefold.quant.int4_tune`, EfficientQAT's
+E2E-QP): GPTQ g128 on SmolLM2 goes from +7.9% to about +2% held-out perplexity.
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class Int4Config(Int4Format):
         the float model in one pass.
     max_tokens: calibration tokens kept per layer input for AWQ's searches (a random subset).
     head_bits: 8 (the LM head W8A16) or 16 (left in float).
+    tune_steps: after the method, train the group scales and minimums (codes fixed) for this many
+        calibration windows against the float model's logits (0: off; a decoder only; see
+        :mod:`fivefold.quant.int4_tune`).
+    tune_lr: Adam's learning rate for that tuning (cosine schedule to 0).
     skip: module names (fnmatch patterns) left as they are.
     """
 
@@ -83,6 +91,8 @@ class Int4Config(Int4Format):
     sequential: bool = True
     max_tokens: int = 2048
     head_bits: int = 8
+    tune_steps: int = 0
+    tune_lr: float = 1e-4
     skip: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -95,18 +105,21 @@ class Int4Config(Int4Format):
             raise FivefoldError(f"head_bits must be 8 or 16, got {self.head_bits}")
         if self.awq_grid < 1 or self.block_size < 1 or self.max_tokens < 1:
             raise FivefoldError("awq_grid, block_size and max_tokens must be positive")
+        if self.tune_steps < 0 or self.tune_lr <= 0:
+            raise FivefoldError(f"tune_steps must be 0 or more and tune_lr positive, got {self.tune_steps} and {self.tune_lr}")
         if self.clip_steps < 0:
             raise FivefoldError(f"clip_steps must be 0 or more, got {self.clip_steps}")
         object.__setattr__(self, "skip", tuple(self.skip))
 
     @property
     def uses_calibration(self) -> bool:
-        return self.method != "rtn"
+        return self.method != "rtn" or self.tune_steps > 0
 
     @property
     def label(self) -> str:
-        return (f"{self.scheme.upper()} {self.method.upper()} g{self.group_size} {'sym' if self.symmetric else 'asym'} "
-                f"({self.bits_per_weight():.2f} bits/weight)")
+        tuned = f" + scales tuned ({self.tune_steps} steps)" if self.tune_steps else ""
+        return (f"{self.scheme.upper()} {self.method.upper()}{tuned} g{self.group_size} "
+                f"{'sym' if self.symmetric else 'asym'} ({self.bits_per_weight():.2f} bits/weight)")
 
     def to_dict(self) -> dict:
         return {"scheme": self.scheme, **asdict(self), "skip": list(self.skip)}
@@ -127,6 +140,7 @@ class Int4Result:
     quantized: list[str] = field(default_factory=list)
     head: str | None = None
     awq_alpha: dict[str, float] = field(default_factory=dict)
+    tune_losses: list[float] = field(default_factory=list)
 
 
 def _float_weight(module: nn.Module) -> torch.Tensor:
@@ -494,9 +508,18 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
     forward_fn = forward_fn or _default_forward
     data = list(calibration_data) if calibration_data is not None else None
     if config.uses_calibration and not data:
-        raise FivefoldError(f"{config.method.upper()} needs calibration data")
+        raise FivefoldError(f"{config.method.upper()}{' with tune_steps' if config.tune_steps else ''} needs calibration data")
     result = Int4Result(config)
     fmt = Int4Format(config.group_size, config.symmetric, config.activations)
+    teacher = None
+    if config.tune_steps:
+        from fivefold.quant.int4_tune import check_memory, check_windows, teacher_log_probs
+
+        if not _is_decoder(model):
+            raise FivefoldError("tune_steps needs a Fivefold Llama-family decoder (it trains against its logits)")
+        data = check_windows(data)
+        check_memory(model, data)
+        teacher = teacher_log_probs(model, data)  # before any weight changes: no float copy kept
     samples: dict[str, torch.Tensor] = {}
     if config.method == "awq":
         samples = awq_(model, config, data, forward_fn, show_progress, result)
@@ -534,6 +557,10 @@ def quantize_int4_(model: nn.Module, config: Int4Config, calibration_data: Itera
         linear = SimpleNamespace(weight=_float_weight(module), bias=getattr(module, "bias", None))
         replace_module(model, head, Int8Linear.from_float(linear, Int8Format(scheme="w8a16")).pack_())
         result.head = head
+    if teacher is not None:
+        from fivefold.quant.int4_tune import tune_int4_scales_
+
+        result.tune_losses = tune_int4_scales_(model, data, teacher, config.tune_steps, config.tune_lr, show_progress)
     return result
 
 

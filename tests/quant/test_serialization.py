@@ -77,6 +77,8 @@ def test_quantize_cli_writes_a_model_that_generate_runs(tiny, tmp_path):
     assert bad.returncode == 2 and "invalid choice" in bad.stderr  # argparse's own one-line usage error
     long = cli("quantize", "--model", tiny, "--window", "100000", "--out", "x")
     assert long.returncode == 1 and "longer than the model's context (256 tokens)" in long.stderr
+    tune = cli("quantize", "--model", tiny, "--tune-steps", "4", "--out", "x")
+    assert tune.returncode == 1 and "--tune-steps trains 4-bit group scales: use --scheme w4a16 or w4a8" in tune.stderr
     budget = cli("quantize", "--model", tiny, "--max-ppl-increase", "lots", "--out", "x")
     assert budget.returncode == 1 and budget.stderr.strip() == "error: --max-ppl-increase takes a percentage such as 0.5%, got 'lots'"
 
