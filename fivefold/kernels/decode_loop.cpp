@@ -9,7 +9,8 @@
 //
 // Per layer (x: [B, hidden] float32, residual: [B, hidden]):
 //   fused_add_rms_norm_(x, residual)          residual += x; x = norm(residual)
-//   qkv = linear(x, qkv_proj)                 [B, (H + 2 KVH) D]
+//   qkv = linear(x, qkv_proj)                 [B, (H + 2 KVH) D] (two row blocks side by side
+//                                             when the projection is held in two forms)
 //   rotary_qk_(q, k)                          views of qkv, in place
 //   rotate_qk_(q, k, key_rotation)            int8 cache only, in place
 //   k, v -> KV cache at their slots           plain copies (float32), quantized rows (int8)
@@ -28,6 +29,8 @@
 // last slot its group offsets (empty: symmetric); every 4-bit linear of the model takes float or
 // int8 activations alike (`int4_int8_activations`), and so does every int8 one
 // (`int8_int8_activations`: fivefold::int8_weight_linear_a8, a GGUF's Q8_0 served as stored).
+// A layer's fifth linear is the second row block of a qkv projection held in two forms (a
+// Q4_K_M file: q and k 4-bit, v int8; SplitLinear), or four empty tensors.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -39,8 +42,8 @@
 namespace {
 
 constexpr int64_t kTensorsPerLinear = 4;
-constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
-// Per layer: input norm weight, post-attention norm weight, then 4 linears.
+constexpr int64_t kLinearsPerLayer = 5;  // qkv (its first row block), o, gate_up, down, qkv's second block
+// Per layer: input norm weight, post-attention norm weight, then 5 linears.
 constexpr int64_t kTensorsPerLayer = 2 + kLinearsPerLayer * kTensorsPerLinear;
 
 c10::OperatorHandle op(const char* name) {
@@ -180,6 +183,9 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     const int64_t lin = base + 2;
     add_norm(x, residual, layers[base], eps);
     torch::Tensor qkv = linear(x, layers, lin, args);  // [B, q + 2 kv]
+    const int64_t second = lin + 4 * kTensorsPerLinear;
+    if (layers[second].numel() > 0 || layers[second + 3].numel() > 0)  // held in two forms: the rows side by side
+      qkv = at::cat({qkv, linear(x, layers, second, args)}, 1);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});

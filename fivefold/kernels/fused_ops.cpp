@@ -74,7 +74,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const float* u = g + I;
       float* o = op + t * I;
 #pragma omp simd
-      for (int64_t i = i0; i < i1; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      // exp's argument capped at 80: beyond it exp overflows to inf, and the vectorised division
+      // (a reciprocal refined by Newton's step) turns g / inf into NaN instead of 0. silu(g) for
+      // g < -80 is below 1e-33 either way.
+      for (int64_t i = i0; i < i1; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
       idx += i1 - i0;
     }
   }

@@ -26,7 +26,7 @@ from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
 from fivefold.models.int4_linear import Int4Format, Int4Linear, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
-from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, RotaryEmbedding
+from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, RotaryEmbedding, SplitLinear
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.platform import release_free_heap
 
@@ -87,9 +87,9 @@ def _fused_name(name: str) -> tuple[str, int, int]:
 
 
 def _cat_as_int8(parts: list) -> GroupQuantized:
-    """Siblings in 8-bit and 4-bit block types (a Q4_K_M file: q and k in Q4_K, v in Q6_K) fused
-    into one int8 weight with a scale per G columns, G the smallest 8-bit group: the 8-bit parts
-    as stored (a larger group's scales repeated: exact), the 4-bit parts dequantized and rounded
+    """Siblings in 8-bit and 4-bit block types that _split_runs does not hold apart (gate in Q4_K
+    beside up in Q6_K; q, k, v in three runs) fused into one int8 weight with a scale per G
+    columns, G the smallest 8-bit group: the 8-bit parts as stored (a larger group's scales repeated: exact), the 4-bit parts dequantized and rounded
     to int8 per group of G against float16 scales (a step of 1/127 of the group's largest weight,
     against the 4-bit step's 1/15 of its range). Held at 8 bits plus a float16 scale per G
     instead of 32 bits in float."""
@@ -108,7 +108,34 @@ def _cat_as_int8(parts: list) -> GroupQuantized:
     return GroupQuantized(torch.cat(qs), torch.cat(scales), group)
 
 
-def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int4Quantized:
+@dataclass(frozen=True)
+class SplitWeight:
+    """A fused weight kept as row blocks of different quantized forms (served as a SplitLinear)."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+
+def _split_runs(parts: list) -> SplitWeight | None:
+    """q, k, v stored in two quantized forms, each in one run (a Q4_K_M file: q and k Q4_K, v
+    Q6_K): the runs fused apart, each held at its own bits (the C++ decode loop takes two blocks
+    of a qkv projection). Other mixes: None (fused into one int8 weight)."""
+    runs: list[list] = []
+    for p in parts:
+        if runs and type(runs[-1][0]) is type(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) != 2 or not all(isinstance(p, (GroupQuantized, Int4Quantized)) for p in parts):
+        return None
+    fused = [_cat(run, torch.float32) for run in runs]
+    return SplitWeight(tuple(fused)) if all(isinstance(f, (GroupQuantized, Int4Quantized)) for f in fused) else None
+
+
+def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int4Quantized | SplitWeight:
     if all(isinstance(p, GroupQuantized) for p in parts):
         return GroupQuantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                               parts[0].group_size)
@@ -122,7 +149,8 @@ def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int
                              parts[0].group_size)
     if all(isinstance(p, (GroupQuantized, Int4Quantized)) for p in parts) and any(
             isinstance(p, GroupQuantized) for p in parts):
-        return _cat_as_int8(parts)
+        split = _split_runs(parts) if len(parts) == 3 else None  # q/k/v (gate/up mixes stay one int8 weight)
+        return split if split is not None else _cat_as_int8(parts)
     # siblings stored quantized and in float: served in float
     return torch.cat([p.dequantize(dtype) if isinstance(p, (GroupQuantized, Int4Quantized)) else p.to(dtype)
                       for p in parts])
@@ -214,6 +242,10 @@ class _Assembler:
         """The served module of one projection (``head``: the LM head, which W4A16 keeps 8-bit: its
         errors land directly on the logits, and GPTQ and AWQ leave it unquantized too)."""
         form = self.form
+        if isinstance(weight, SplitWeight):  # each block with its rows of the bias
+            rows = [p.shape[0] for p in weight.parts]
+            biases = [None] * len(rows) if bias is None else [b.clone() for b in bias.split(rows)]
+            return SplitLinear([self._linear(p, b, head) for p, b in zip(weight.parts, biases)])
         if bias is not None and isinstance(bias, torch.Tensor):
             quantized = isinstance(weight, (GroupQuantized, Int4Quantized)) or form.quantization in QUANTIZE_ON_LOAD
             bias = bias.float() if quantized else bias

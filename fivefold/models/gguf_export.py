@@ -68,6 +68,10 @@ def q8_0_bytes(w: torch.Tensor) -> np.ndarray:
 
 def _float_rows(module) -> torch.Tensor:
     from fivefold.models.int8_linear import Int8Linear, dense_weight
+    from fivefold.models.layers import SplitLinear
+
+    if isinstance(module, SplitLinear):  # a Q4_K_M's qkv held in two blocks
+        return torch.cat([_float_rows(p) for p in module.parts])
 
     if isinstance(module, Int4Linear):
         return module.dequantized_weight()

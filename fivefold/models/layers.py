@@ -307,6 +307,37 @@ class HeadRowsEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the LM head's quantized weight"
 
 
+class SplitLinear(nn.Module):
+    """One fused projection held as blocks of output rows in different served forms, each at its
+    own bits: a Q4_K_M GGUF's q and k (Q4_K: the 4-bit kernel, 5 bits per weight) beside its v
+    (Q6_K: int8 and a float16 scale per 16, 9 bits), where one fused form would widen q and k to
+    int8 too. The output is the blocks' outputs side by side, in row order (the C++ decode loop
+    takes the q/k block and the v block of a ``qkv_proj`` as two linears)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        if len(parts) < 2 or len({p.in_features for p in parts}) != 1:
+            raise ValueError("SplitLinear needs two or more parts with the same in_features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The whole bias (a new tensor; each block holds its rows'), or None."""
+        biases = [getattr(p, "bias", None) for p in self.parts]
+        if all(b is None for b in biases):
+            return None
+        return torch.cat([b.detach().float() if b is not None else torch.zeros(p.out_features)
+                          for b, p in zip(biases, self.parts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows={[p.out_features for p in self.parts]}"
+
+
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """An nn.Linear holding copies of ``weight`` [out, in] and ``bias`` [out] (same dtype): the
     rebuilt layer of a pass that merges, slices or pads weights."""

@@ -8,7 +8,8 @@ SiLU * up) back to back. The embedding lookup, the RoPE table lookup and the LM 
 Python: one call each per step.
 
 It serves float32 Llama-family models whose projections are ``nn.Linear``, ``PackedLinear``,
-W8A16 ``Int8Linear`` or 4-bit ``Int4Linear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
+W8A16 ``Int8Linear`` or 4-bit ``Int4Linear``, a qkv projection also as a two-block
+``SplitLinear`` (Qwen3's per-head q/k norm and W8A8's activation quantization are not in
 the C++ loop: such models keep the Python loop, :meth:`NativeDecoder.unsupported_reason` says
 why). A step runs here when each of its sequences adds at most ``MAX_QUERY_LEN`` tokens to a
 context already in the cache: decode steps (the paged decode kernel), and steps verifying
@@ -24,7 +25,7 @@ from torch import nn
 from fivefold.kernels import decode_loop_ops
 from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata
-from fivefold.models.layers import PackedLinear, stream_max_rows
+from fivefold.models.layers import PackedLinear, SplitLinear, stream_max_rows
 from fivefold.models.llama import LlamaForCausalLM
 
 _NONE = torch.empty(0)  # "no tensor" in the C++ op's tensor lists
@@ -64,6 +65,11 @@ def _linear_tensors(linear: nn.Module) -> list[torch.Tensor] | str:
     return f"{type(linear).__name__} projections"
 
 
+def _qkv_blocks(qkv: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """A qkv projection as the loop takes it: itself, or its two row blocks (a SplitLinear)."""
+    return (qkv.parts[0], qkv.parts[1]) if isinstance(qkv, SplitLinear) and len(qkv.parts) == 2 else (qkv, None)
+
+
 def _activations(model: nn.Module, kind: str) -> set[str]:
     """The activation precisions ("float", "int8") of the decoder's 4-bit (``kind="int4"``) or int8
     projections (the C++ loop runs each kind one way; the LM head is not in the loop)."""
@@ -87,9 +93,10 @@ class NativeDecoder:
         tensors: list[torch.Tensor] = []
         for layer in model.layers:
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
+            qkv, second = _qkv_blocks(layer.self_attn.qkv_proj)
+            for linear in (qkv, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 tensors += _linear_tensors(linear)
+            tensors += [_NONE] * 4 if second is None else _linear_tensors(second)  # see decode_loop.cpp
         self.layer_tensors = tensors
         c = model.config
         self.shape_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
@@ -108,9 +115,12 @@ class NativeDecoder:
         if model.config.has_qk_norm:
             return "per-head q/k RMSNorm (Qwen3)"
         for layer in model.layers:
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            qkv = layer.self_attn.qkv_proj
+            if isinstance(qkv, SplitLinear) and len(qkv.parts) != 2:
+                return f"a qkv projection held in {len(qkv.parts)} blocks (the loop takes two)"
+            for linear in (*_qkv_blocks(qkv), layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
-                found = _linear_tensors(linear)
+                found = _linear_tensors(linear) if linear is not None else None
                 if isinstance(found, str):
                     return found
         for kind in ("int4", "int8"):

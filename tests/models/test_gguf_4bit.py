@@ -23,7 +23,7 @@ from fivefold.models.forward import prefill_logits
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from fivefold.models.int4_linear import Int4Linear, Int4Quantized, dequantize_activations, quantize_activations
 from fivefold.models.int8_linear import Int8Linear, dense_weight
-from fivefold.models.layers import HeadRowsEmbedding, resident_weight_bytes
+from fivefold.models.layers import HeadRowsEmbedding, SplitLinear, resident_weight_bytes
 from fivefold.models.registry import BUILTIN_MODELS, DEFAULT_LLM
 from tests.conftest import save_random_hf_model
 from tests.models.test_gguf import HEADS, HIDDEN, INTER, write_tiny_gguf
@@ -56,8 +56,10 @@ class int8_inputs:
 
 
 def int8_input_layers(model: nn.Module) -> list[str]:
-    """The layers of ``model`` that quantize their inputs to int8 (4-bit ones, a GGUF's Q8_0 ones)."""
-    return [n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear)) and m.int8_activations]
+    """The layers of ``model`` that quantize their inputs to int8 (4-bit ones, a GGUF's Q8_0 ones;
+    a split projection's blocks named by the projection, as an unsplit model holds it)."""
+    return list(dict.fromkeys(n.partition(".parts.")[0] for n, m in model.named_modules()
+                              if isinstance(m, (Int4Linear, Int8Linear)) and m.int8_activations))
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
@@ -184,8 +186,12 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
                            "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
     reader, config, reference, served = _reference_and_served(path)
     kinds = {n: type(m).__name__ for n, m in served.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
-    # v is Q6_K but fused with q and k (Q4_K): the fused projection takes the wider form, int8
-    assert kinds["layers.0.self_attn.qkv_proj"] == "Int8Linear" and kinds["layers.0.self_attn.o_proj"] == "Int4Linear"
+    # v is Q6_K beside q and k (Q4_K): the projection is held in two row blocks, each in its own form
+    qkv = served.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, SplitLinear) and [p.out_features for p in qkv.parts] == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
+    assert kinds["layers.0.self_attn.qkv_proj.parts.0"] == "Int4Linear"
+    assert kinds["layers.0.self_attn.qkv_proj.parts.1"] == "Int8Linear"
+    assert kinds["layers.0.self_attn.o_proj"] == "Int4Linear"
     assert kinds["layers.0.mlp.down_proj"] == "Int8Linear" and kinds["layers.0.mlp.gate_up_proj"] == "Int4Linear"
     assert kinds["lm_head"] == "Int8Linear" and isinstance(served.embed_tokens, HeadRowsEmbedding)
     for name, module in served.named_modules():
@@ -197,17 +203,17 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
             continue
         dense = (module.dequantized_weight() if isinstance(module, Int4Linear)
                  else module.rows(torch.arange(module.out_features)))
-        ref_module = reference.get_submodule(name)  # float, or Q6_K kept int8 (always)
+        owner, _, block = name.partition(".parts.")  # a block of the split qkv: its rows of the reference's
+        ref_module = reference.get_submodule(owner)  # float, or Q6_K kept int8 (always)
         ref_dense = (ref_module.rows(torch.arange(ref_module.out_features)) if isinstance(ref_module, Int8Linear)
                      else dense_weight(ref_module))
+        if block:
+            start = sum(p.out_features for p in qkv.parts[:int(block)])
+            ref_dense = ref_dense[start:start + module.out_features]
         error = (dense - ref_dense).abs()
         float16_bound = 16 * 0.02 * 64 * 2 ** -11  # Q4_K's two scale levels multiplied into float16
         relative = ref_dense.abs() * 2 ** -11  # Q6_K's d x sc rounded to float16
-        if name == "layers.0.self_attn.qkv_proj":  # q, k rounded to int8 per 16 (v as stored): half a step
-            step = module.weight_scales().abs().repeat_interleave(16, dim=1)
-            assert bool((error <= step * 0.5001 + float16_bound).all())
-            assert bool((error <= relative)[-HIDDEN // 2:].all())  # v's rows: the file's Q6_K values
-        elif isinstance(module, Int8Linear):  # Q6_K as stored
+        if isinstance(module, Int8Linear):  # Q6_K as stored (v's rows of qkv too)
             assert bool((error <= relative).all()), name
         else:  # Q4_K
             assert float(error.max()) <= float16_bound, name
@@ -220,8 +226,8 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     with torch.inference_mode(), int8_inputs(reference, int8_input_layers(served)):
         ours, ref = prefill_logits(served, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    # held at 5 bits per weight (Q4_K: codes, a float16 scale and minimum per 32) and 9 (Q6_K and
-    # the fused qkv: int8, a float16 scale per 16), plus the float norms: nothing in float beside them
+    # held at 5 bits per weight (Q4_K, q and k included: codes, a float16 scale and minimum per 32)
+    # and 9 (Q6_K: int8, a float16 scale per 16), plus the float norms: nothing in float beside them
     for m in served.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):  # (an int8 layer's three activation-quantization scalars: 16 bytes)
             held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 9 / 8)

@@ -69,15 +69,25 @@ def test_decode_steps_match_transformers_and_the_python_loop(arch, layout, tmp_p
             seq.num_computed_tokens += 1
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w4a8"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w4a8", "q4_k_m"])
 def test_quantized_decode_loop_matches_the_python_loop(scheme, tmp_path):
     """W8A16, and 4-bit weights with float or int8 activations (the loop passes the choice to
-    fivefold::int4_linear: with the wrong one the logits differ by far more than the tolerance)."""
+    fivefold::int4_linear: with the wrong one the logits differ by far more than the tolerance);
+    a Q4_K_M-like GGUF served as stored, whose qkv is two blocks (q, k 4-bit; v Q6_K int8)."""
+    from fivefold.models.layers import SplitLinear
     from fivefold.quant.config import Int8Config
     from fivefold.quant.quantize import quantize_
 
     save_random_hf_model("llama", tmp_path)
-    if scheme == "w8a16":
+    if scheme == "q4_k_m":
+        from tests.models.test_gguf import write_tiny_gguf
+
+        projections = ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")
+        write_tiny_gguf(tmp_path / "m.gguf", {**{f"blk.0.{p}.weight": "Q4_K" for p in projections},
+                                              "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"})
+        loaded = load_model(str(tmp_path / "m.gguf"), quantization="gguf")
+        assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, SplitLinear)
+    elif scheme == "w8a16":
         loaded = load_model(str(tmp_path))
         quantize_(loaded.model, Int8Config(scheme="w8a16"))
     else:
