@@ -13,7 +13,7 @@ ISA_TESTS := tests/quant tests/kernels tests/test_platform.py tests/models/test_
              tests/models/test_attention.py tests/models/test_native_decode.py tests/models/test_packed_linear.py \
              tests/models/test_assemble.py
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean browser
 
 setup: $(STAMP)
 
@@ -33,7 +33,11 @@ $(STAMP): pyproject.toml $(wildcard fivefold/kernels/*.cpp fivefold/kernels/*.h)
 demo: setup
 	$(VENV)/bin/fivefold demo
 
-test: setup
+# The dashboard tests drive a real browser: chromium from apt, installed here when missing (root).
+browser:
+	bash scripts/install_browser.sh
+
+test: setup browser
 	$(PY) -m pytest tests
 	$(AVX2_ENV) $(PY) -m pytest $(ISA_TESTS)
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from fivefold.bench.report import json_line, latency_stats, results_table  # noqa: E402
+from fivefold.bench.report import json_line, results_table  # noqa: E402
+from fivefold.serve.metrics import latency_stats  # noqa: E402
 from fivefold.bench.serve_bench import make_prompts, run_load  # noqa: E402
 from fivefold.bench.server_process import serve_process  # noqa: E402
 from fivefold.models.registry import DEFAULT_LLM  # noqa: E402

@@ -328,7 +328,7 @@ async def soak(args, proc, url: str, trigger: Path) -> dict:
     import httpx
     from rich.progress import Progress
 
-    from fivefold.bench.report import latency_stats
+    from fivefold.serve.metrics import latency_stats
 
     traffic = Traffic(args.model, args.seed, 0.0 if args.no_hostile else HOSTILE_RATE)
     tally = Tally()

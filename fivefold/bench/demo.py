@@ -290,10 +290,12 @@ def _cnn_fusion_rows(image_size: int, console) -> list[LeverRow]:
 
 
 def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivefold/runs.db",
-             out_dir: str | Path = ".fivefold", console=None, sizes: DemoSizes | None = None) -> dict[str, Any]:
+             out_dir: str | Path = ".fivefold", console=None, sizes: DemoSizes | None = None,
+             html_path: str | Path | None = None) -> dict[str, Any]:
     """Profile, then one lever at a time; print the table, save the plot; return everything as a dict.
 
-    ``sizes`` overrides the workload sizes of the quick/full mode (tests use tiny ones)."""
+    ``sizes`` overrides the workload sizes of the quick/full mode (tests use tiny ones);
+    ``html_path``: also the table, verdicts and plot as one self-contained HTML file."""
     from rich.console import Console
 
     from fivefold.models import load_model
@@ -397,6 +399,11 @@ def run_demo(model: str, quick: bool = True, registry_path: str | None = ".fivef
         "rows": [{"lever": r.lever, "change": r.change, "metric": r.metric, "before": r.before, "after": r.after,
                   "ratio": r.ratio, "accuracy": r.accuracy, "runs": r.runs, "status": r.status} for r in rows],
     }
+    if html_path is not None:
+        from fivefold.bench.dashboard import demo_report_html
+
+        Path(html_path).write_text(demo_report_html(summary, plot))
+        console.print(f"report: {html_path}")
     print(json.dumps(summary))
     return summary
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from fivefold.bench.report import latency_stats
+from fivefold.serve.metrics import latency_stats
 from fivefold.errors import FivefoldError
 
 WORKLOADS = ("throughput", "shared-prefix", "copy")

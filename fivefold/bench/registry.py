@@ -117,6 +117,11 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _run(row: tuple) -> Run:
+    return Run(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5], row[6], row[7],
+               json.loads(row[8] or "{}"))
+
+
 class RunRegistry:
     def __init__(self, path: str | Path = DEFAULT_REGISTRY) -> None:
         self.path = Path(path)
@@ -145,12 +150,24 @@ class RunRegistry:
         row = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:
             raise FivefoldError(f"no run {run_id} in {self.path}")
-        return Run(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5], row[6], row[7],
-                   json.loads(row[8] or "{}"))
+        return _run(row)
 
     def list(self, name: str | None = None) -> list[Run]:
         query = "SELECT id FROM runs" + (" WHERE name = ?" if name else "") + " ORDER BY id"
         return [self.get(r[0]) for r in self._db.execute(query, (name,) if name else ())]
+
+    def page(self, offset: int, limit: int, name: str | None = None) -> tuple[list[Run], int]:
+        """Runs ``offset`` .. ``offset + limit`` (newest first; of workload ``name`` only, if given)
+        and how many there are in all: one page of a long registry without reading the rest."""
+        where, args = (" WHERE name = ?", (name,)) if name else ("", ())
+        total = int(self._db.execute("SELECT COUNT(*) FROM runs" + where, args).fetchone()[0])
+        rows = self._db.execute("SELECT * FROM runs" + where + " ORDER BY id DESC LIMIT ? OFFSET ?",
+                                (*args, limit, offset)).fetchall()
+        return [_run(r) for r in rows], total
+
+    def baselines(self) -> dict[str, int]:
+        """Workload name -> its baseline run's id."""
+        return {name: int(run_id) for name, run_id in self._db.execute("SELECT name, run_id FROM baselines")}
 
     def set_baseline(self, run_id: int) -> None:
         run = self.get(run_id)
@@ -173,8 +190,11 @@ class RunRegistry:
 
     def rollback(self, run_id: int, recipe_path: str | Path) -> Path:
         """Write the run's configuration as a recipe file (JSON) to re-run it."""
-        run = self.get(run_id)
         path = Path(recipe_path)
-        path.write_text(json.dumps({"benchmark": run.name, "config": run.config, "from_run": run_id},
-                                   indent=2, sort_keys=True))
+        path.write_text(json.dumps(self.recipe(run_id), indent=2, sort_keys=True))
         return path
+
+    def recipe(self, run_id: int) -> dict[str, Any]:
+        """The recipe that re-runs ``run_id``: its benchmark and configuration."""
+        run = self.get(run_id)
+        return {"benchmark": run.name, "config": run.config, "from_run": run_id}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from fivefold.bench.registry import RunRegistry, machine_description
@@ -17,17 +16,6 @@ def json_line(payload: dict[str, Any]) -> str:
 
     return json.dumps({**payload, "machine": machine_description()}, default=str)
 
-
-def latency_stats(values: list[float]) -> dict[str, float]:
-    """Mean, p50, p90 and p99 (nearest rank) of a list of latencies; zeros when empty."""
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def pct(p):
-        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
-
-    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
 def print_comparison(registry: RunRegistry, a: int, b: int, console=None) -> None:

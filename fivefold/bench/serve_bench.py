@@ -24,7 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from fivefold.bench.report import latency_stats
+from fivefold.serve.metrics import latency_stats
 
 DATASETS = ("random", "shared-prefix", "pydoc")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

@@ -17,8 +17,8 @@ import sys
 from fivefold.errors import FivefoldError
 
 # In the order ``fivefold --help`` lists them.
-COMMANDS = ("models", "env", "generate", "serve", "bench", "runs", "profile", "quantize", "fuse", "prune", "distill",
-            "demo", "chat")
+COMMANDS = ("models", "env", "generate", "serve", "bench", "runs", "dashboard", "profile", "quantize", "fuse", "prune",
+            "distill", "demo", "chat")
 
 
 def _command(name: str):

@@ -12,10 +12,18 @@ def add_parser(sub) -> None:
     demo.add_argument("--full", action="store_true", help="larger workloads (the default is the quick mode)")
     demo.add_argument("--registry", default=".fivefold/runs.db", help="SQLite run registry ('' to not record)")
     demo.add_argument("--out", default=".fivefold", help="folder for the plot and the Chrome traces")
+    demo.add_argument("--html", default=None, metavar="FILE",
+                      help="also write the table, the verdicts and the plot as one self-contained HTML page")
 
 
 def run(args) -> int:
     from fivefold.bench.demo import run_demo
 
-    run_demo(args.model, quick=not args.full, registry_path=args.registry, out_dir=args.out)
+    from pathlib import Path
+
+    from fivefold.errors import FivefoldError
+
+    if args.html is not None and not Path(args.html).resolve().parent.is_dir():
+        raise FivefoldError(f"--html: no such folder {Path(args.html).parent} (give a file in an existing folder)")
+    run_demo(args.model, quick=not args.full, registry_path=args.registry, out_dir=args.out, html_path=args.html)
     return 0

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--result-cache-bytes", type=int, default=64 << 20)
     serve.add_argument("--prompt-version", default="v1",
                        help="result-cache prompt version (change it live: POST /admin/prompt-version)")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="the live page at /dashboard (queue, tokens/s, TTFT/ITL, KV use, cache hits; behind "
+                            "--api-key, which a browser sends as the Basic-auth password)")
     serve.add_argument("--admin-key", default=os.environ.get("FIVEFOLD_ADMIN_KEY"),
                        help="enable /admin/* behind 'Authorization: Bearer KEY' (default: $FIVEFOLD_ADMIN_KEY; "
                             "without it the admin endpoints answer 403)")
@@ -83,6 +86,8 @@ def check_operations(args) -> None:
             raise FivefoldError(f"{flag}: no such file {path}")
     if args.allowed_origins is not None and not [o for o in args.allowed_origins.split(",") if o.strip()]:
         raise FivefoldError("--allowed-origins: give origins (https://app.example.com,...) or *")
+    if args.dashboard and args.replicas is not None:
+        raise FivefoldError("--dashboard shows one engine's metrics; with --replicas, read each replica's /metrics")
 
 
 def _scheme(args) -> str:
@@ -209,11 +214,13 @@ def run(args) -> int:
     if is_encoder_dir(path):
         if args.replicas is not None:
             raise FivefoldError("--replicas serves LLMs; an embeddings model is served by one process")
+        if args.dashboard:
+            raise FivefoldError("--dashboard is the LLM server's live page; an embeddings server has /metrics")
         return _serve_encoder(args, path)
     spec = _server_config(args)
     if args.replicas is not None:
         return _serve_replicas(args, spec)
-    engine, app = create_llm_server(spec, api_key=args.api_key, admin_key=args.admin_key)
+    engine, app = create_llm_server(spec, api_key=args.api_key, admin_key=args.admin_key, dashboard=args.dashboard)
     print(f"fivefold: serving {args.model} on {_scheme(args)}://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         return _run_uvicorn(app, args, engine)

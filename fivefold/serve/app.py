@@ -25,7 +25,7 @@ from fivefold.serve.tokenization import TokenizeAPI
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, result_cache: ResultCache | None = None,
               prompt_version: str | None = None, admin_key: str | None = None,
-              behind_front: bool = False) -> FastAPI:
+              behind_front: bool = False, dashboard: bool = False) -> FastAPI:
     """The FastAPI app. With ``result_cache``, deterministic requests (temperature 0 or a
     seed) are answered from it when the same request was answered before under the same
     prompt version; ``X-Cache: hit|miss|bypass`` says which, and ``Cache-Control: no-cache``
@@ -34,7 +34,8 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     The prompt version is the operator's: ``prompt_version`` (default: the cache's own) at
     start, then ``POST /admin/prompt-version`` with ``admin_key``. A replica
     (``behind_front``) takes it from the front's ``X-Fivefold-Prompt-Version`` header
-    instead; a client's ``X-Prompt-Version`` is refused with a 400."""
+    instead; a client's ``X-Prompt-Version`` is refused with a 400. ``dashboard``: the live page
+    (``/dashboard``, fivefold/serve/live_page.py) from the engine's metrics."""
     app = build_base_app(model_name, registry_text(None if engine.metrics is None else engine.metrics.registry),
                          api_key, max_body_bytes, is_healthy=lambda: engine.is_running)
     cache = ServedResultCache(result_cache, served_model_identity(engine), prompt_version, behind_front,
@@ -43,11 +44,17 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     CompletionsAPI(engine, model_name, cache).register(app)
     ChatAPI(engine, model_name, cache).register(app)
     TokenizeAPI(engine, model_name).register(app)
+    if dashboard:
+        from fivefold.serve.live_page import LiveDashboard
+
+        if engine.metrics is None:
+            raise FivefoldError("--dashboard needs the server's metrics (an engine without them has no live page)")
+        LiveDashboard(engine.metrics, model_name).register(app)
     return app
 
 
 def create_llm_server(config: ServerConfig, api_key: str | None = None, admin_key: str | None = None,
-                      behind_front: bool = False) -> tuple[AsyncEngine, FastAPI]:
+                      behind_front: bool = False, dashboard: bool = False) -> tuple[AsyncEngine, FastAPI]:
     """(engine, app): the model loaded, its engine thread running, the app over it
     (``behind_front``: a replica, which takes the prompt version from its front)."""
     import torch
@@ -65,5 +72,5 @@ def create_llm_server(config: ServerConfig, api_key: str | None = None, admin_ke
     cache = config.make_result_cache(behind_front)
     app = build_app(engine, config.served_model_name, api_key=api_key, max_body_bytes=config.max_body_bytes,
                     result_cache=cache, prompt_version=None if behind_front else config.prompt_version,
-                    admin_key=admin_key, behind_front=behind_front)
+                    admin_key=admin_key, behind_front=behind_front, dashboard=dashboard)
     return engine, app

@@ -13,6 +13,8 @@ fields of the wrong type; 429 past the queue limits; 503 after the queue timeout
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,8 @@ FRONT_VERSION_HEADER = "x-fivefold-prompt-version"
 # Routes any client may call without the API key: liveness, metrics (as vLLM) and the version.
 # /admin/* has its own key. Everything else (/v1/*, /tokenize, /detokenize, ...) needs the API key.
 PUBLIC_PATHS = ("/health", "/metrics", "/version")
+# Pages a browser opens (the live dashboard): the API key is also taken as HTTP Basic's password.
+BROWSER_PATHS = ("/dashboard", "/dashboard/data")
 
 
 class APIError(Exception):
@@ -69,9 +73,17 @@ def check_key(what: str, key: str | None) -> None:
         raise FivefoldError(f"{what} is empty: give a non-empty key, or leave it out to disable it")
 
 
-def is_authorized(headers: dict, api_key: str) -> bool:
-    """Whether the request carries ``Authorization: Bearer API_KEY`` (compared in constant time)."""
-    return hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {api_key}".encode())
+def is_authorized(headers: dict, api_key: str, basic: bool = False) -> bool:
+    """Whether the request carries ``Authorization: Bearer API_KEY`` (compared in constant time);
+    with ``basic``, also HTTP Basic with the key as the password (a browser's login prompt)."""
+    given = headers.get(b"authorization", b"")
+    if basic and given[:6].lower() == b"basic ":
+        try:
+            password = base64.b64decode(given[6:].strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return False
+        return hmac.compare_digest(password, api_key.encode())
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
 
 
 def check_model(name: str | None, model_name: str) -> None:
@@ -121,10 +133,14 @@ class RequestGuard:
         if b"x-prompt-version" in headers:
             return error_response(400, PROMPT_VERSION_REFUSAL, param="X-Prompt-Version")
         path = scope["path"]
+        page = path in BROWSER_PATHS  # the live page: a browser logs in with the key as a password
         if self.api_key is not None and path not in PUBLIC_PATHS and not path.startswith("/admin/") and \
-                not is_authorized(headers, self.api_key):
-            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                  error_type="authentication_error")
+                not is_authorized(headers, self.api_key, basic=page):
+            refused = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                     error_type="authentication_error")
+            if page:
+                refused.headers["WWW-Authenticate"] = 'Basic realm="fivefold dashboard: the API key is the password"'
+            return refused
         return None
 
     async def __call__(self, scope, receive, send):

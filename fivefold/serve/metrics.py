@@ -13,7 +13,10 @@ latency histograms of finished requests), so scraping costs the engine nothing.
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -67,6 +70,75 @@ class _Same:
         return _Same([m.labels(**labels) for m in self.metrics])
 
 
+LIVE_WINDOW_S = 300.0  # what the live page keeps: the last five minutes
+LIVE_MAX_SAMPLES = 200_000  # per series, whatever the rate (a bound on memory: ~10 MB)
+
+
+def latency_stats(values: list[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 (nearest rank) of a list of latencies; zeros when empty. (The
+    load generator's table and the live page's percentiles.)"""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p):
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+class LiveWindow:
+    """The server's recent past for the live page (``/dashboard``): each engine step (time,
+    requests running and waiting, KV use, tokens generated) and each latency sample (TTFT,
+    inter-token, end to end) of the last ``window_s`` seconds. Written by the engine thread,
+    read by the HTTP one: a lock guards the deques."""
+
+    def __init__(self, window_s: float = LIVE_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s, self.clock = window_s, clock
+        self._lock = threading.Lock()
+        self._steps: deque = deque(maxlen=LIVE_MAX_SAMPLES)  # (t, running, waiting, kv use, new tokens)
+        self._latency = {k: deque(maxlen=LIVE_MAX_SAMPLES) for k in ("ttft", "itl", "e2e")}  # (t, seconds)
+        self.finished = 0
+        self.started = clock()
+
+    def add_step(self, running: int, waiting: int, kv_usage: float, new_tokens: int) -> None:
+        with self._lock:
+            self._steps.append((self.clock(), running, waiting, kv_usage, new_tokens))
+
+    def add_latency(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._latency[kind].append((self.clock(), seconds))
+
+    def snapshot(self, window_s: float = 60.0, bin_s: float = 5.0) -> dict:
+        """Percentiles (ms) of TTFT and inter-token latency and the batch sizes over the last
+        ``window_s`` seconds; generated tokens/s over the last 10 s and per ``bin_s`` bin over the
+        whole window (oldest first, for the page's curve); the latest step's queue and KV use."""
+        now = self.clock()
+        with self._lock:
+            cutoff = now - self.window_s
+            for series in (self._steps, *self._latency.values()):
+                while series and series[0][0] < cutoff:
+                    series.popleft()
+            steps = list(self._steps)
+            latency = {k: [v for t, v in d if t >= now - window_s] for k, d in self._latency.items()}
+        recent = [s for s in steps if s[0] >= now - window_s]
+        bins = int(self.window_s // bin_s)
+        per_bin = [0] * bins
+        for t, *_, tokens in steps:
+            index = bins - 1 - int((now - t) // bin_s)
+            if 0 <= index < bins:
+                per_bin[index] += tokens
+        last = steps[-1] if steps else (now, 0, 0, 0.0, 0)
+        pct = {f"{k}_ms": {q: 1000 * v for q, v in latency_stats(latency[k]).items()} if latency[k] else None
+               for k in ("ttft", "itl")}
+        batch = [s[1] for s in recent if s[4] > 0]
+        return {"window_s": window_s, "running": last[1], "waiting": last[2], "kv_cache_usage": last[3],
+                "tokens_per_s": sum(s[4] for s in steps if s[0] >= now - 10.0) / min(10.0, max(now - self.started, 1e-9)),
+                "tokens_per_s_bins": [n / bin_s for n in per_bin], "bin_s": bin_s,
+                "batch_size_mean": sum(batch) / len(batch) if batch else 0.0, "batch_size_max": max(batch, default=0),
+                "requests_finished": self.finished, **pct}
+
+
 class ServerMetrics:
     """The server's Prometheus registry and its metrics (one ``model_name`` label)."""
 
@@ -117,9 +189,27 @@ class ServerMetrics:
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         self._last_spec = (0, 0, 0)
+        self.live = LiveWindow()
+        self.counts = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "result_cache_hits": 0,
+                       "result_cache_misses": 0, "num_preemptions": 0}  # plain copies for the live page
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()
+        self.live.finished += 1
+
+    def result_cache_lookup(self, hit: bool) -> None:
+        """A cacheable request looked up in the result cache."""
+        (self.result_cache_hits if hit else self.result_cache_misses).inc()
+        self.counts["result_cache_hits" if hit else "result_cache_misses"] += 1
+
+    def live_snapshot(self, window_s: float = 60.0) -> dict:
+        """What the live page shows (:meth:`LiveWindow.snapshot`, the KV pool and cache counts)."""
+        snap = self.live.snapshot(window_s)
+        c = self.counts
+        snap["prefix_cache_hit_rate"] = c["prefix_cache_hits"] / c["prefix_cache_queries"] if c["prefix_cache_queries"] else None
+        lookups = c["result_cache_hits"] + c["result_cache_misses"]
+        snap["result_cache_hit_rate"] = c["result_cache_hits"] / lookups if lookups else None
+        return snap | c
 
     def observe_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
         """After a step: the gauges and counters from the engine's ``stats()`` (counters advance
@@ -134,6 +224,10 @@ class ServerMetrics:
         self.prefix_queries.inc(prefix[0] - self._last_prefix[0])
         self.prefix_hits.inc(prefix[1] - self._last_prefix[1])
         self._last_prefix = prefix
+        self.counts.update(prefix_cache_queries=prefix[0], prefix_cache_hits=prefix[1],
+                           num_preemptions=stats["num_preemptions"])
+        self.live.add_step(stats["num_running"], stats["num_waiting"], stats["num_used_blocks"] / stats["num_blocks"],
+                           sum(len(out.delta_token_ids) for out in outputs))
         self.preemptions.inc(stats["num_preemptions"] - self._last_preemptions)
         self._last_preemptions = stats["num_preemptions"]
         counts = (stats["spec_num_drafts"], stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"])
@@ -148,12 +242,15 @@ class ServerMetrics:
             last = self._last_token_time.get(out.request_id)
             if last is not None:
                 self.itl.observe(now - last)
+                self.live.add_latency("itl", now - last)
             self._last_token_time[out.request_id] = now
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
                 m = out.metrics
                 self.ttft.observe(m.ttft)
                 self.e2e.observe(m.finished_time - m.arrival_time)
+                self.live.add_latency("ttft", m.ttft)
+                self.live.add_latency("e2e", m.finished_time - m.arrival_time)
                 self.queue_time.observe(m.queue_time)
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.request_finished(out.outputs[0].finish_reason)

@@ -65,7 +65,7 @@ class ServedResultCache:
         key = ResultCache.make_key(self.identity, version, {"endpoint": endpoint, **canonical_request(fields)})
         body = await self.cache.get(key)
         if self.metrics is not None:
-            (self.metrics.result_cache_hits if body is not None else self.metrics.result_cache_misses).inc()
+            self.metrics.result_cache_lookup(body is not None)
         return key, body, "hit" if body is not None else "miss"
 
     async def store(self, key: str | None, body: dict) -> None:

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,11 @@ def test_demo_runs_every_landed_lever_with_one_variable_per_row(tiny_model, tmp_
                       draft_distill_steps=1, long_context=96)
     console = Console(file=open(tmp_path / "out.txt", "w"), width=160)
     summary = run_demo(tiny_model, registry_path=str(tmp_path / "runs.db"), out_dir=tmp_path, console=console,
-                       sizes=sizes)
+                       sizes=sizes, html_path=tmp_path / "demo.html")
+    page = (tmp_path / "demo.html").read_text()  # the self-contained report: table, verdicts, the plot inlined
+    assert page.count("<tr><td>") >= len(summary["rows"]) and "profile verdicts" in page
+    assert "src='data:image/png;base64," in page
+    assert not re.search(r"(https?:)?//[a-z0-9]", re.sub(r"data:[^']*", "", page), re.I)  # no external URL
     measured = [r for r in summary["rows"] if r["status"] == "measured"]
     assert {r["lever"] for r in measured} == {"1 structure", "2 hardware", "3 quantization", "4 scheduling",
                                               "5 caching"}
