@@ -126,6 +126,29 @@ def runs_page(registry: RunRegistry, page: int, per_page: int, name: str | None)
                  + pager)
 
 
+def _png_img(path: Path, alt: str) -> str:
+    """A PNG file inlined as a data: URI (the page stays one self-contained file)."""
+    import base64
+
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f"<div class=box><img alt='{html.escape(alt)}' style='max-width:100%' src='data:image/png;base64,{data}'></div>"
+
+
+def _runs_plot(runs: list[Run]) -> str:
+    """``fivefold runs plot`` of these runs (throughput vs request rate, latency CDF), drawn here
+    and inlined; nothing when none of them has such data."""
+    import tempfile
+
+    from fivefold.bench.plots import plot_runs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = plot_runs(runs, Path(tmp) / "runs.png")
+        except FivefoldError:
+            return ""
+        return "<h2>plots</h2>" + _png_img(path, "throughput against request rate, and the latency CDF")
+
+
 def _kv_rows(values: dict[str, Any]) -> list[str]:
     return [f"<tr><td>{html.escape(k)}</td><td class=num>{_e(v)}</td></tr>" for k, v in sorted(_flatten(values).items())]
 
@@ -154,6 +177,7 @@ def run_page(registry: RunRegistry, run_id: int, token: str, message: str = "") 
                 f"<td class=num>{_e(v.get('stake', ''))}</td></tr>"
                 for mode, items in by_mode.items() for v in items if isinstance(v, dict)]
         body += "<h2>profile verdicts</h2>" + _table(["mode", "lever", "finding", "share of time"], rows)
+    body += _runs_plot([run])
     body += "<h2>run</h2>" + _table(["", ""], _kv_rows(info))
     body += "<h2>machine</h2>" + _table(["", ""], _kv_rows(run.machine))
     return _page(f"run {run.id}: {run.name}", body)
@@ -184,15 +208,14 @@ def compare_page(registry: RunRegistry, a: int, b: int) -> str:
                            f"<td class=num>{'-' if ratio is None else f'{ratio:.3f}x'}</td></tr>")
     body = (note + f"<h2>configuration (<a href='/runs/{a}'>run {a}</a> → <a href='/runs/{b}'>run {b}</a>)</h2>"
             + _table(["key", f"run {a}", f"run {b}"], rows)
-            + "<h2>metrics</h2>" + _table(["metric", f"run {a}", f"run {b}", "delta", "ratio b / a"], metric_rows))
+            + "<h2>metrics</h2>" + _table(["metric", f"run {a}", f"run {b}", "delta", "ratio b / a"], metric_rows)
+            + _runs_plot([ra, rb]))
     return _page(f"compare run {a} with run {b}", body)
 
 
 def demo_report_html(summary: dict[str, Any], plot_png: Path | None = None) -> str:
     """``fivefold demo --html``: the demo's table, verdicts and plot as one self-contained page
     (the PNG inlined as a data: URI; no external URL, opens offline from the file)."""
-    import base64
-
     rows = []
     for r in sorted(summary["rows"], key=lambda r: r["lever"]):
         measured = r["status"] == "measured"
@@ -211,9 +234,7 @@ def demo_report_html(summary: dict[str, Any], plot_png: Path | None = None) -> s
     if verdicts:
         body += "<h2>profile verdicts</h2>" + _table(["mode", "lever", "finding", "share of time"], verdicts)
     if plot_png is not None and Path(plot_png).exists():
-        data = base64.b64encode(Path(plot_png).read_bytes()).decode()
-        body += (f"<h2>speed-ups</h2><div class=box><img alt='speed-up of each lever' style='max-width:100%' "
-                 f"src='data:image/png;base64,{data}'></div>")
+        body += "<h2>speed-ups</h2>" + _png_img(plot_png, "speed-up of each lever")
     body += "<h2>machine</h2>" + _table(["", ""], _kv_rows(summary.get("machine") or {}))
     return _page("fivefold demo: five levers", body, nav=False)
 
