@@ -25,7 +25,7 @@ body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;padding:
 h1{font-size:1.25em;margin:.2em 0 .6em} .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(160px,1fr));gap:8px}
 .card{background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px}
 .label{font-size:.8em;color:#57606a} .value{font-size:1.4em;font-variant-numeric:tabular-nums}
-svg{width:100%;height:120px;background:#fff;border:1px solid #d0d7de;border-radius:6px;margin-top:10px}
+svg{width:100%;height:120px;background:#fff;border:1px solid #d0d7de;border-radius:6px;margin-top:4px}
 @media (max-width:480px){body{padding:6px}.value{font-size:1.15em}}
 """
 
@@ -39,10 +39,13 @@ def _curve(values: list[float], width: int = 600, height: int = 120) -> str:
     top = max(values, default=0.0) or 1.0
     step = width / max(len(values) - 1, 1)
     points = " ".join(f"{i * step:.1f},{height - 6 - (height - 12) * v / top:.1f}" for i, v in enumerate(values))
-    return (f"<svg viewBox='0 0 {width} {height}' preserveAspectRatio='none' role=img "
+    # the caption is HTML: the curve stretches to the page's width, which would stretch SVG text
+    return (f"<div class=label style='margin-top:10px'>generated tokens/s, last {len(values) * 5} s "
+            f"(5-s bins, max {top:.0f})</div>"
+            f"<svg viewBox='0 0 {width} {height}' preserveAspectRatio='none' role=img "
             f"aria-label='generated tokens per second, last five minutes'>"
-            f"<polyline fill='none' stroke='#0969da' stroke-width='2' points='{points}'/>"
-            f"<text x='6' y='16' font-size='12' fill='#57606a'>tokens/s, last {len(values) * 5} s (max {top:.0f})</text></svg>")
+            f"<polyline fill='none' stroke='#0969da' stroke-width='2' vector-effect='non-scaling-stroke' "
+            f"points='{points}'/></svg>")
 
 
 def render(model_name: str, snap: dict) -> str:
