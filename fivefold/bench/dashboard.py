@@ -183,6 +183,22 @@ def run_page(registry: RunRegistry, run_id: int, token: str, message: str = "") 
     return _page(f"run {run.id}: {run.name}", body)
 
 
+def _quality(ra: Run, rb: Run) -> str:
+    """What changed in the answers, where the runs can tell: the share of greedy output tokens the
+    two agree on (runs that kept their tokens, as the demo's rows compare them) and the held-out
+    perplexity."""
+    from fivefold.bench.offline_bench import token_agreement
+
+    rows = []
+    if all(r.metrics.get("samples", {}).get("output_token_ids") for r in (ra, rb)):
+        rows.append(f"<tr><td>greedy-token agreement</td><td class=num>{token_agreement(ra.metrics, rb.metrics):.1%}"
+                    "</td></tr>")
+    pa, pb = ra.metrics.get("heldout_perplexity"), rb.metrics.get("heldout_perplexity")
+    if isinstance(pa, (int, float)) and isinstance(pb, (int, float)) and pa:
+        rows.append(f"<tr><td>held-out perplexity</td><td class=num>{pa:.3f} → {pb:.3f} ({pb / pa - 1:+.2%})</td></tr>")
+    return "<h2>quality</h2>" + _table(["", ""], rows) if rows else ""
+
+
 def compare_page(registry: RunRegistry, a: int, b: int) -> str:
     ra, rb = registry.get(a), registry.get(b)
     comparison = registry.compare(a, b)
@@ -200,6 +216,7 @@ def compare_page(registry: RunRegistry, a: int, b: int) -> str:
         note = "<div class=ok>the configurations are the same</div>"
     if ra.name != rb.name:
         note += f"<div class=warn>different workloads: '{html.escape(ra.name)}' and '{html.escape(rb.name)}'</div>"
+    note += _quality(ra, rb)
     metric_rows = []
     for k, (va, vb, ratio) in comparison.metric_ratios.items():
         delta = vb - va

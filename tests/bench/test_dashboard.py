@@ -23,9 +23,11 @@ def client(tmp_path):
 
     registry = RunRegistry(tmp_path / "runs.db")
     a = registry.record("bench serve", {"engine": {"block_size": 16, "prefix": True}, "rate": 4.0},
-                        {"output_tok_s": 100.0, "ttft_s": {"p50": 0.5}, "note": "first"})
+                        {"output_tok_s": 100.0, "ttft_s": {"p50": 0.5}, "note": "first", "heldout_perplexity": 10.0,
+                         "samples": {"output_token_ids": [[1, 2, 3, 4], [5, 6]]}})
     b = registry.record("bench serve", {"engine": {"block_size": 32, "prefix": True}, "rate": 4.0},
-                        {"output_tok_s": 150.0, "ttft_s": {"p50": 0.4}})
+                        {"output_tok_s": 150.0, "ttft_s": {"p50": 0.4}, "heldout_perplexity": 10.5,
+                         "samples": {"output_token_ids": [[1, 2, 9, 4], [5, 6]]}})
     c = registry.record("bench serve", {"engine": {"block_size": 32, "prefix": False}, "rate": 8.0},
                         {"output_tok_s": 90.0, "ttft_s": {"p50": 0.9}, "samples": {"e2e_s": [0.5, 0.7, 1.1]},
                          "verdicts": {"decode": [{"lever": "quantization", "finding": "weights stream", "stake": 0.8}]}})
@@ -66,7 +68,10 @@ def test_runs_list_run_page_and_compare(client):
     assert re.search(r"<tr class=same><td>rate</td>", one.text)
     assert re.search(r"<td>output_tok_s</td><td class=num>100</td><td class=num>150</td><td class=num>\+50</td>"
                      r"<td class=num>1.500x</td>", one.text)
+    assert "<td>greedy-token agreement</td><td class=num>83.3%</td>" in one.text  # 5 of 6 tokens
+    assert "<td>held-out perplexity</td><td class=num>10.000 → 10.500 (+5.00%)</td>" in one.text
     many = client.get(f"/compare?a={a}&b={c}")
+    assert "greedy-token agreement" not in many.text  # run c kept no tokens
     assert "class=warn>3 variables changed (engine.block_size, engine.prefix, rate)" in many.text
     assert len(re.findall(r"<tr class=changed>", many.text)) == 3
     _no_external_urls(many.text)
