@@ -23,7 +23,12 @@ def run(args) -> int:
 
     from fivefold.errors import FivefoldError
 
-    if args.html is not None and not Path(args.html).resolve().parent.is_dir():
-        raise FivefoldError(f"--html: no such folder {Path(args.html).parent} (give a file in an existing folder)")
+    if args.html is not None:  # its folder made now (as --out's is): a bad path fails before minutes of work
+        try:
+            Path(args.html).resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FivefoldError(f"--html: cannot create the folder of {args.html}: {exc.strerror}") from None
+        if Path(args.html).is_dir():
+            raise FivefoldError(f"--html: {args.html} is a folder; give a file name such as demo.html")
     run_demo(args.model, quick=not args.full, registry_path=args.registry, out_dir=args.out, html_path=args.html)
     return 0
