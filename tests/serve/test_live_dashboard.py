@@ -116,3 +116,15 @@ def test_live_page_moves_while_requests_run(tmp_path):
         assert re.search(r"id='requests finished'>6<", page.text)
         assert not re.search(r"(https?:)?//[a-z0-9]", page.text, re.I)
     engine.shutdown()
+
+
+def test_fivefold_serve_dashboard_flag(tmp_path):
+    """The CLI wiring: `fivefold serve --dashboard` has the page; without the flag it is a 404."""
+    from tests.serve.conftest import serve_process
+
+    save_random_hf_model("llama", tmp_path)
+    with serve_process("--model", str(tmp_path), "--kv-cache-memory-bytes", str(8 << 20), "--dashboard") as (_, url):
+        page = httpx.get(url + "/dashboard")
+        assert page.status_code == 200 and "requests running" in page.text
+    with serve_process("--model", str(tmp_path), "--kv-cache-memory-bytes", str(8 << 20)) as (_, url):
+        assert httpx.get(url + "/dashboard").status_code == 404

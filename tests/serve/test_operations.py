@@ -181,7 +181,8 @@ def test_serve_takes_the_model_positionally_and_refuses_in_one_line(tmp_path):
     for argv, message in ((["a", "--model", "b"], "the model is given twice"),
                           (["--ssl-keyfile", "k.pem"], "TLS needs both"),
                           (["--ssl-keyfile", str(tmp_path / "k"), "--ssl-certfile", str(tmp_path / "c")], "no such file"),
-                          (["--allowed-origins", " , "], "--allowed-origins")):
+                          (["--allowed-origins", " , "], "--allowed-origins"),
+                          (["--dashboard", "--replicas", "2"], "--dashboard shows one engine's metrics")):
         with pytest.raises(FivefoldError, match=message):
             check_operations(parse(*argv))
 
