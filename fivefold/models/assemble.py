@@ -89,7 +89,8 @@ def _fused_name(name: str) -> tuple[str, int, int]:
 def _cat_as_int8(parts: list) -> GroupQuantized:
     """Siblings in 8-bit and 4-bit block types that _split_runs does not hold apart (gate in Q4_K
     beside up in Q6_K; q, k, v in three runs) fused into one int8 weight with a scale per G
-    columns, G the smallest 8-bit group: the 8-bit parts as stored (a larger group's scales repeated: exact), the 4-bit parts dequantized and rounded
+    columns, G the smallest 8-bit group: the 8-bit parts as stored (a larger group's scales
+    repeated: exact), the 4-bit parts dequantized and rounded
     to int8 per group of G against float16 scales (a step of 1/127 of the group's largest weight,
     against the 4-bit step's 1/15 of its range). Held at 8 bits plus a float16 scale per G
     instead of 32 bits in float."""
@@ -129,7 +130,7 @@ def _split_runs(parts: list) -> SplitWeight | None:
             runs[-1].append(p)
         else:
             runs.append([p])
-    if len(runs) != 2 or not all(isinstance(p, (GroupQuantized, Int4Quantized)) for p in parts):
+    if len(runs) != 2:
         return None
     fused = [_cat(run, torch.float32) for run in runs]
     return SplitWeight(tuple(fused)) if all(isinstance(f, (GroupQuantized, Int4Quantized)) for f in fused) else None

@@ -90,14 +90,14 @@ def latency_stats(values: list[float]) -> dict[str, float]:
 class LiveWindow:
     """The server's recent past for the live page (``/dashboard``): each engine step (time,
     requests running and waiting, KV use, tokens generated) and each latency sample (TTFT,
-    inter-token, end to end) of the last ``window_s`` seconds. Written by the engine thread,
+    inter-token) of the last ``window_s`` seconds. Written by the engine thread,
     read by the HTTP one: a lock guards the deques."""
 
     def __init__(self, window_s: float = LIVE_WINDOW_S, clock=time.monotonic) -> None:
         self.window_s, self.clock = window_s, clock
         self._lock = threading.Lock()
         self._steps: deque = deque(maxlen=LIVE_MAX_SAMPLES)  # (t, running, waiting, kv use, new tokens)
-        self._latency = {k: deque(maxlen=LIVE_MAX_SAMPLES) for k in ("ttft", "itl", "e2e")}  # (t, seconds)
+        self._latency = {k: deque(maxlen=LIVE_MAX_SAMPLES) for k in ("ttft", "itl")}  # (t, seconds)
         self.finished = 0
         self.started = clock()
 
@@ -190,8 +190,7 @@ class ServerMetrics:
         self._last_preemptions = 0
         self._last_spec = (0, 0, 0)
         self.live = LiveWindow()
-        self.counts = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "result_cache_hits": 0,
-                       "result_cache_misses": 0, "num_preemptions": 0}  # plain copies for the live page
+        self._result_cache = [0, 0]  # hits, misses: plain copies of the two counters for the live page
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()
@@ -200,16 +199,17 @@ class ServerMetrics:
     def result_cache_lookup(self, hit: bool) -> None:
         """A cacheable request looked up in the result cache."""
         (self.result_cache_hits if hit else self.result_cache_misses).inc()
-        self.counts["result_cache_hits" if hit else "result_cache_misses"] += 1
+        self._result_cache[0 if hit else 1] += 1
 
     def live_snapshot(self, window_s: float = 60.0) -> dict:
         """What the live page shows (:meth:`LiveWindow.snapshot`, the KV pool and cache counts)."""
-        snap = self.live.snapshot(window_s)
-        c = self.counts
-        snap["prefix_cache_hit_rate"] = c["prefix_cache_hits"] / c["prefix_cache_queries"] if c["prefix_cache_queries"] else None
-        lookups = c["result_cache_hits"] + c["result_cache_misses"]
-        snap["result_cache_hit_rate"] = c["result_cache_hits"] / lookups if lookups else None
-        return snap | c
+        (queries, hits), (cache_hits, cache_misses) = self._last_prefix, self._result_cache
+        lookups = cache_hits + cache_misses
+        return self.live.snapshot(window_s) | {
+            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else None, "num_preemptions": self._last_preemptions,
+            "result_cache_hits": cache_hits, "result_cache_misses": cache_misses,
+            "result_cache_hit_rate": cache_hits / lookups if lookups else None}
 
     def observe_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
         """After a step: the gauges and counters from the engine's ``stats()`` (counters advance
@@ -224,10 +224,10 @@ class ServerMetrics:
         self.prefix_queries.inc(prefix[0] - self._last_prefix[0])
         self.prefix_hits.inc(prefix[1] - self._last_prefix[1])
         self._last_prefix = prefix
-        self.counts.update(prefix_cache_queries=prefix[0], prefix_cache_hits=prefix[1],
-                           num_preemptions=stats["num_preemptions"])
+        new_tokens = sum(len(out.delta_token_ids) for out in outputs)
+        self.generation_tokens.inc(new_tokens)
         self.live.add_step(stats["num_running"], stats["num_waiting"], stats["num_used_blocks"] / stats["num_blocks"],
-                           sum(len(out.delta_token_ids) for out in outputs))
+                           new_tokens)
         self.preemptions.inc(stats["num_preemptions"] - self._last_preemptions)
         self._last_preemptions = stats["num_preemptions"]
         counts = (stats["spec_num_drafts"], stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"])
@@ -238,7 +238,6 @@ class ServerMetrics:
         self.spec_acceptance_rate.set(stats["spec_acceptance_rate"])
         self.spec_mean_accepted_length.set(stats["spec_mean_accepted_length"])
         for out in outputs:
-            self.generation_tokens.inc(len(out.delta_token_ids))
             last = self._last_token_time.get(out.request_id)
             if last is not None:
                 self.itl.observe(now - last)
@@ -250,7 +249,6 @@ class ServerMetrics:
                 self.ttft.observe(m.ttft)
                 self.e2e.observe(m.finished_time - m.arrival_time)
                 self.live.add_latency("ttft", m.ttft)
-                self.live.add_latency("e2e", m.finished_time - m.arrival_time)
                 self.queue_time.observe(m.queue_time)
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.request_finished(out.outputs[0].finish_reason)
