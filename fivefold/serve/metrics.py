@@ -119,8 +119,9 @@ class LiveWindow:
             for series in (self._steps, *self._latency.values()):
                 while series and series[0][0] < cutoff:
                     series.popleft()
-            steps = list(self._steps)
-            latency = {k: [v for t, v in d if t >= now - window_s] for k, d in self._latency.items()}
+            steps = list(self._steps)  # copies only: the engine thread waits on this lock
+            samples = {k: list(d) for k, d in self._latency.items()}
+        latency = {k: [v for t, v in d if t >= now - window_s] for k, d in samples.items()}
         recent = [s for s in steps if s[0] >= now - window_s]
         bins = int(self.window_s // bin_s)
         per_bin = [0] * bins
