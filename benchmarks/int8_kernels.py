@@ -17,12 +17,14 @@ Candidates:
 Without VNNI the library W8A8 kernels saturate (their rel. error column shows it);
 the last line says which kernel each W8A8 mode runs on this CPU (``fivefold env`` too).
 
-    .venv/bin/python benchmarks/int8_kernels.py [--repeats 50]
+    .venv/bin/python benchmarks/int8_kernels.py [--repeats 50] [--batches 1,32,128]
+        [--kernels w8a8-fivefold-exact,...] [--rounds 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,17 @@ def bench(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def bench_alternating(fns: dict, repeats: int, rounds: int) -> dict:
+    """Each candidate's median time per call over ``rounds`` rounds, the candidates taking turns in
+    every round: this VM's speed drifts by 20-40% from minute to minute, which back-to-back runs of
+    one candidate then the next would turn into a ratio."""
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(bench(fn, max(1, repeats // rounds)))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def main() -> None:
     from rich.console import Console
     from rich.table import Table
@@ -53,7 +66,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--kernels", default="", help="comma-separated candidates to run (fp32-packed always runs)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds per shape; medians reported")
     args = ap.parse_args()
+    wanted = set(filter(None, args.kernels.split(","))) | {"fp32-packed"} if args.kernels else None
     torch.manual_seed(0)
     results = []
     for m in map(int, args.batches.split(",")):
@@ -61,13 +77,12 @@ def main() -> None:
             w = torch.randn(n, k) * 0.05
             x = torch.randn(m, k)
             ref = x @ w.T
-            for cand, fn in int8_backends.candidates(w, x).items():
-                if fn is None:
-                    continue
-                out = fn()
-                err = float((out - ref).norm() / ref.norm())
+            fns = {cand: fn for cand, fn in int8_backends.candidates(w, x).items()
+                   if fn is not None and (wanted is None or cand in wanted)}
+            errors = {cand: float((fn() - ref).norm() / ref.norm()) for cand, fn in fns.items()}
+            for cand, t in bench_alternating(fns, args.repeats, args.rounds).items():
                 results.append({"m": m, "shape": name, "k": k, "n": n, "kernel": cand,
-                                "us": bench(fn, args.repeats) * 1e6, "rel_err": err})
+                                "us": t * 1e6, "rel_err": errors[cand]})
     table = Table(title="int8 kernels vs float32 packed (time per call; ratio = fp32 time / kernel time)")
     for col in ("M", "shape", "kernel", "us", "ratio", "rel. error"):
         table.add_column(col, justify="right")

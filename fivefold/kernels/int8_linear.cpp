@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -117,7 +118,10 @@ constexpr int kPanelVectors = 2;                // C: 4 x 2 accumulators + 2 wei
                                                 // ymm (4 x 3 spilled: 20% slower)
 constexpr int64_t kPanelChannels = kLanes * kPanelVectors;
 constexpr int64_t kPanelRows = 4;               // R
-constexpr int64_t kBlockK = 256;                // columns per widened block: 256 / 2 x 16 x 4 B = 8 KB
+// Columns per widened block: 2048 / 2 x 16 x 4 B = 64 KB (L2). One block holds the whole K of the
+// usual projections, so a tile's sums stay in registers from the first column to the last (blocks
+// of 256, read back from `out` between them, ran 1.2-1.5x slower on Zen 3).
+constexpr int64_t kBlockK = 2048;
 constexpr int64_t kPanelMinRows = 16;           // below this the row kernel (8 rows: 10-15% faster there)
 
 // The 8 x 8 transpose of int32 units: r[i] = (v[0].unit i, ..., v[7].unit i).
@@ -143,6 +147,12 @@ inline void transpose8(__m256i v[8]) {
 // (kb / 2 x 24 int32 units); channels past N and columns past K are zeros. kb is a multiple of 16.
 inline void widen_panel(const int8_t* w, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t kb, int32_t* buf) {
   for (int64_t kk = 0; kk < kb; kk += 16) {
+    // The next panel's rows into L2 while this one is multiplied (~10 us ahead): 16 rows read at a
+    // stride of K are more streams than the hardware prefetcher follows (10% of the time stalled
+    // here on Zen 3 without it).
+    if (kk % 64 == 0)
+      for (int64_t j = 0; j < kPanelChannels && n0 + kPanelChannels + j < N; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + kPanelChannels + j) * K + k0 + kk), _MM_HINT_T1);
     for (int p = 0; p < kPanelVectors; ++p) {
       __m256i v[8];
       for (int j = 0; j < 8; ++j) {
@@ -163,6 +173,14 @@ inline void widen_panel(const int8_t* w, int64_t N, int64_t K, int64_t n0, int64
   }
 }
 
+// (x[2 kp], x[2 kp + 1]) in every int32 lane (one vpbroadcastd from memory; memcpy, not a cast, to read
+// the int16 pair as one int32).
+inline __m256i broadcast_pair(const int16_t* x, int64_t kp) {
+  int32_t pair;
+  std::memcpy(&pair, x + 2 * kp, sizeof pair);
+  return _mm256_set1_epi32(pair);
+}
+
 // R rows of x16 (int16, row stride ldx, from column k0) x the widened panel, added to out's
 // channels [n0, n0 + valid) (first block: stored, not added).
 template <int R>
@@ -178,15 +196,44 @@ inline void panel_tile(const int16_t* x16, int64_t ldx, const int32_t* buf, int6
                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(valid < kPanelChannels ? part + c * kLanes
                                                                                                    : o + c * kLanes));
   }
-  for (int64_t kp = 0; kp < kpairs; ++kp) {
-    __m256i wv[kPanelVectors];
-    for (int c = 0; c < kPanelVectors; ++c)
-      wv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + kp * kPanelChannels + c * kLanes));
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x16 + r * ldx + 2 * kp, sizeof pair);
-      const __m256i xv = _mm256_set1_epi32(pair);
-      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(xv, wv[c]));
+  const int16_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x16 + r * ldx;
+  const __m256i* wp = reinterpret_cast<const __m256i*>(buf);
+  static_assert(kPanelVectors == 2, "the loops below are written for 2 vectors of channels");
+  if constexpr (R == 4) {
+    // Named accumulators: with acc[R][2] in the loop GCC 12 computes each sum into a new register
+    // and copies it back (8 vmovdqa per step: the loop then issues 31 instructions for 8 vpmaddwd
+    // instead of 23; 5-7% slower on Zen 3).
+    __m256i a00 = acc[0][0], a01 = acc[0][1], a10 = acc[1][0], a11 = acc[1][1];
+    __m256i a20 = acc[2][0], a21 = acc[2][1], a30 = acc[3][0], a31 = acc[3][1];
+    for (int64_t kp = 0; kp < kpairs; ++kp, wp += kPanelVectors) {
+      __m256i w0 = _mm256_load_si256(wp), w1 = _mm256_load_si256(wp + 1);
+      // Held in registers: folded into each vpmaddwd, the 2 weight loads become 8 and the step
+      // waits on the load ports (12 loads where 2 x 256-bit issue per cycle).
+      asm("" : "+x"(w0), "+x"(w1));
+      __m256i xv = broadcast_pair(xr[0], kp);
+      a00 = _mm256_add_epi32(a00, _mm256_madd_epi16(xv, w0));
+      a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(xv, w1));
+      xv = broadcast_pair(xr[1], kp);
+      a10 = _mm256_add_epi32(a10, _mm256_madd_epi16(xv, w0));
+      a11 = _mm256_add_epi32(a11, _mm256_madd_epi16(xv, w1));
+      xv = broadcast_pair(xr[2], kp);
+      a20 = _mm256_add_epi32(a20, _mm256_madd_epi16(xv, w0));
+      a21 = _mm256_add_epi32(a21, _mm256_madd_epi16(xv, w1));
+      xv = broadcast_pair(xr[3], kp);
+      a30 = _mm256_add_epi32(a30, _mm256_madd_epi16(xv, w0));
+      a31 = _mm256_add_epi32(a31, _mm256_madd_epi16(xv, w1));
+    }
+    acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11;
+    acc[2][0] = a20; acc[2][1] = a21; acc[3][0] = a30; acc[3][1] = a31;
+  } else {  // the last 1-3 rows of a call
+    for (int64_t kp = 0; kp < kpairs; ++kp, wp += kPanelVectors) {
+      const __m256i w0 = _mm256_load_si256(wp), w1 = _mm256_load_si256(wp + 1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast_pair(xr[r], kp);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(xv, w0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(xv, w1));
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -209,7 +256,8 @@ void panel_matmul(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int32_
   const int64_t panels = (N + kPanelChannels - 1) / kPanelChannels;
 #pragma omp parallel
   {
-    alignas(32) int32_t buf[kBlockK / 2 * kPanelChannels];
+    std::vector<int32_t> block(kBlockK / 2 * kPanelChannels + kLanes);  // + room to align to 32 bytes
+    int32_t* buf = block.data() + (-reinterpret_cast<uintptr_t>(block.data()) / sizeof(int32_t) & (kLanes - 1));
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < panels; ++g) {
       const int64_t n0 = g * kPanelChannels, valid = std::min(kPanelChannels, N - n0);
@@ -310,11 +358,71 @@ torch::Tensor int8_int8_linear(torch::Tensor xq, torch::Tensor x_scale, int64_t 
   return y;
 }
 
+namespace {
+
+// Dynamic symmetric int8 per row, as per_token_quantize computes it in Python (the same float32
+// division and round-half-to-even, so the codes are the same bit for bit: fast-math, which would turn
+// the division into a multiplication by the reciprocal, is off here): scale[m] = max(amax, 1e-8) / 127,
+// xq[m, k] = round(x[m, k] / scale[m]).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void quantize_per_row(const float* x, int64_t M, int64_t K, int8_t* xq, float* scale) {
+  // No std:: calls in here: functions compiled with other optimize options are not inlined into
+  // this one (std::max per element took 30% of a 64 x 1536 W8A8 call).
+#pragma omp parallel for schedule(static) if (M * K > (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    int8_t* q = xq + m * K;
+    int64_t k = 0;
+    float amax = 0.f;
+#if defined(__AVX2__)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float v : lanes) amax = v > amax ? v : amax;
+#endif
+    for (; k < K; ++k) amax = __builtin_fabsf(row[k]) > amax ? __builtin_fabsf(row[k]) : amax;
+    const float s = (amax > 1e-8f ? amax : 1e-8f) / 127.f;
+    scale[m] = s;
+    k = 0;
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; k + 8 <= K; k += 8) {  // cvtps rounds to nearest even (MXCSR's default), as torch.round
+      const __m256i c = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(row + k), vs));
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(c, c), c), order);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(b));
+    }
+#endif
+    for (; k < K; ++k) q[k] = static_cast<int8_t>(__builtin_nearbyintf(row[k] / s));
+  }
+}
+#pragma GCC pop_options
+
+}  // namespace
+
+// W8A8 with dynamic per-token activations in one call: x float32 [M, K] is quantized per row here
+// (see quantize_per_row) and multiplied as int8_int8_linear does with zp = 0. Saves the five
+// elementwise passes and their tensors of the Python form (~50-90 us at 64 x 576..1536 on Zen 3).
+torch::Tensor int8_dynamic_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale,
+                                  std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "int8_dynamic_linear: x must be float32 [M, K]");
+  x = x.contiguous();
+  auto xq = torch::empty(x.sizes(), x.options().dtype(torch::kInt8));
+  auto xs = torch::empty({x.size(0)}, x.options());
+  quantize_per_row(x.data_ptr<float>(), x.size(0), x.size(1), xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  return int8_int8_linear(xq, xs, 0, w, std::nullopt, w_scale, bias);
+}
+
 TORCH_LIBRARY_FRAGMENT(fivefold, m) {
+  m.def("int8_dynamic_linear(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("int8_int8_matmul(Tensor xq, Tensor w) -> Tensor");
   m.def("int8_int8_linear(Tensor xq, Tensor x_scale, int zp, Tensor w, Tensor? w_sum, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int8_int8_matmul", &int8_int8_matmul);
   m.impl("int8_int8_linear", &int8_int8_linear);
+  m.impl("int8_dynamic_linear", &int8_dynamic_linear);
 }

@@ -123,6 +123,18 @@ def int8_matmul_exact(xq: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return (xq.double() @ w_q.double().t()).to(torch.int32)
 
 
+def w8a8_exact_per_token(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 with dynamic per-token activations: ``per_token_quantize(x)`` then ``w8a8_exact``, the
+    codes and scales the same bit for bit; with the C++ kernels the quantization runs inside the
+    one call (``fivefold::int8_dynamic_linear``)."""
+    ops = int8_ops()
+    if ops is not None and x.dtype == torch.float32:
+        return ops.int8_dynamic_linear(x, w_q, w_scale, bias)
+    xq, xs = per_token_quantize(x)
+    return w8a8_exact(xq, xs, 0, w_q, None, w_scale, bias)
+
+
 def w8a8_exact(xq: torch.Tensor, x_scale, x_zp: int, w_q: torch.Tensor, w_sum: torch.Tensor,
                w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``(x_scale * (xq - x_zp)) @ (w_scale * w_q)^T + bias`` with the integer part exact:
@@ -162,11 +174,8 @@ def candidates(w: torch.Tensor, x: torch.Tensor) -> dict:
         return w8a8_int_mm(xq, xs, w_q_t, w_s)
 
     out["w8a8-int_mm"] = int_mm
-    w_sum = w_q.sum(dim=1, dtype=torch.int32)
-
     def exact():
-        xq, xs = per_token_quantize(x)
-        return w8a8_exact(xq, xs, 0, w_q, w_sum, w_s, None)
+        return w8a8_exact_per_token(x, w_q, w_s, None)
 
     out["w8a8-fivefold-exact"] = exact if ops is not None else None
     try:

@@ -41,6 +41,7 @@ from fivefold.models.int8_backends import (
     onednn_prepack,
     per_token_quantize,
     w8a8_exact,
+    w8a8_exact_per_token,
     w8a8_int_mm,
     w8a8_kernel,
     w8a8_onednn,
@@ -348,8 +349,7 @@ class Int8Linear(nn.Module):
             lo, hi = (float(v) for v in torch.aminmax(x)) if x.numel() else (0.0, 0.0)
             scale, zp = activation_qparams(lo, hi, symmetric=False)
         else:
-            xq, xs = per_token_quantize(x)
-            return w8a8_exact(xq, xs, 0, self.weight, p["w_sum"], self.weight_scale, self.bias)
+            return w8a8_exact_per_token(x, self.weight, self.weight_scale, self.bias)
         return w8a8_exact(quantize_activation(x, scale, zp), scale, zp, self.weight, p["w_sum"],
                           self.weight_scale, self.bias)
 

@@ -54,6 +54,34 @@ def test_int8_linear_applies_scales_zero_point_and_bias_to_the_exact_sums(m, k, 
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 130), (5, 100, 17), (16, 300, 40), (64, 576, 577), (70, 1536, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_token_linear_in_one_call_equals_quantizing_in_python(m, k, n, bias):
+    """fivefold::int8_dynamic_linear quantizes each row in C++: the same codes and scales as
+    per_token_quantize bit for bit (rows of zeros, values on the rounding ties, one huge value),
+    so the outputs are equal, not close."""
+    from fivefold.kernels import int8_ops
+    from fivefold.models.int8_backends import w8a8_exact_per_token
+
+    ops = int8_ops()
+    if ops is None:
+        pytest.skip("no C++ compiler: w8a8_exact_per_token is per_token_quantize + the float64 fallback")
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+    x[0] = 0.0  # a row of zeros: scale 1e-8 / 127, codes 0
+    if m > 2:
+        x[1] = torch.randint(-126, 126, (k,), generator=g).float() + 0.5  # x / scale on the .5 ties
+        x[1, 0] = 127.0  # amax 127: scale exactly 1, so x / scale keeps the ties
+        x[2, 3] = 3e4  # one outlier: the rest of the row rounds to a few codes
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) * 0.01 + 0.001
+    b = torch.randn(n, generator=g) if bias else None
+    xq, xs = per_token_quantize(x)
+    expected = ops.int8_int8_linear(xq, xs.reshape(-1), 0, w, None, ws, b)
+    got = w8a8_exact_per_token(x, w, ws, b)
+    assert torch.equal(got, expected)
+
+
 def test_library_kernels_run_only_where_they_are_exact():
     for mode, library in LIBRARY_KERNELS.items():
         kernel = w8a8_kernel(mode)
