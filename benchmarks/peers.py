@@ -17,8 +17,12 @@ vLLM get the same KV cache space (KV_CACHE_GIB); transformers (float32, in
 this process; batches padded on the left); vLLM (CPU build, float32) and llama.cpp (the built-in
 Q4_1 GGUF, single stream) when installed in their own virtual environments (``../shared/PEERS.md``,
 ``~/peers/vllm`` and ``~/peers/llamacpp``, or ``--vllm-python`` / ``--llamacpp-python``), each run
-in its own process from a script written to a temporary directory. A peer that is not installed
-is skipped, and the table says so.
+in its own process (vLLM from a script written to a temporary directory, llama.cpp through
+benchmarks/llamacpp_decode.py). A peer that is not installed is skipped, and the table says so.
+llama.cpp gives two rows: ``llamacpp-q4_1``, its C API in a decode loop (llama-cli's and
+llama-server's per-token work: the rate the fivefold rows are compared with, ``single_vs_llamacpp``
+in the JSON), and ``llamacpp-q4_1-generate``, llama-cpp-python's ``Llama.generate``, whose
+Python sampler adds milliseconds a token.
 
 Roofs, measured in the run (fivefold.profile.roofline.measure_peaks, refreshed, at the start; the
 bandwidth and each GEMM rate are the medians of that and one more measurement before each system):
@@ -203,29 +207,22 @@ if __name__ == "__main__":
     main()
 '''
 
-LLAMACPP_SCRIPT = r'''
-import json, sys, time
-import numpy as np
-from llama_cpp import Llama
-spec = json.load(open(sys.argv[1]))
-llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_ctx=2048, verbose=False)
-eos = llm.token_eos()
-def no_eos(ids, logits):
-    logits[eos] = -np.inf
-    return logits
-prompt, new = spec["workloads"]["single"]
-def run(n):
-    llm.reset()
-    stamps = []
-    for tok in llm.generate(prompt, temp=0.0, top_k=1, logits_processor=[no_eos], reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) == n:
-            break
-    return stamps
-run(8)
-stamps = run(new)
-print("RESULT " + json.dumps({"single": (new - 1) / (stamps[-1] - stamps[0])}), flush=True)
-'''
+def run_llamacpp(python: Path, gguf: Path, prompt: list[int], new: int) -> dict:
+    """llama.cpp's single-stream rates on ``gguf`` (benchmarks/llamacpp_decode.py in the peer's venv):
+    {"single": its C API decode loop, "single_generate": llama-cpp-python's Llama.generate}."""
+    script = Path(__file__).resolve().parent / "llamacpp_decode.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "prompt.json").write_text(json.dumps(prompt))
+        proc = subprocess.run([str(python), str(script), str(gguf), "--prompt", str(Path(tmp) / "prompt.json"),
+                               "--new", str(new), "--threads", str(torch.get_num_threads())],
+                              capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"exit code {proc.returncode}: {' | '.join(tail)}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"single": found["decode_tok_s"], "single_generate": found["generate_tok_s"]}
+
+
 
 
 def run_in_venv(python: Path, script: str, spec: dict, timeout: int) -> dict:
@@ -285,6 +282,7 @@ def main() -> None:
     flops_samples = {dtype: [flops] for dtype, flops in peaks.flops.items()}
     for system in systems:
         console.print(f"[bold]{system}[/bold] ...")
+        extra = []  # rows a system's run adds after its own
         bandwidth_samples.append(measure_bandwidth())
         for dtype, samples in flops_samples.items():
             samples.append(measure_flops(getattr(torch, dtype)))
@@ -312,10 +310,12 @@ def main() -> None:
                 if "single" not in workloads:
                     raise ValueError("runs the single-stream workload only")
                 gguf = resolve_model_path(DEFAULT_LLM)
-                spec = {"gguf": str(gguf), "threads": torch.get_num_threads(),
-                        "workloads": {"single": (prompts_for(tokenizer, 1)[0], WORKLOADS["single"][1])}}
-                tok_s = run_in_venv(python, LLAMACPP_SCRIPT, spec, timeout=600)
+                rates = run_llamacpp(python, gguf, prompts_for(tokenizer, 1)[0], WORKLOADS["single"][1])
                 nbytes, arithmetic = gguf_tensor_bytes(gguf), "int8"
+                # Two rows: the C API loop (llama.cpp's own rate, the one compared) and its Python
+                # binding's generate (a Python sampler per token), so the gap between them is visible.
+                extra.append((system + "-generate", {"single": rates["single_generate"]}, nbytes, arithmetic))
+                tok_s = {"single": rates["single"]}
             else:
                 raise ValueError(f"unknown system (choose from {', '.join(FIVEFOLD + PEERS)})")
         except Exception as exc:  # a peer that is missing or fails is reported, not fatal
@@ -323,6 +323,7 @@ def main() -> None:
             console.print(f"  skipped: {skipped[system]}")
             continue
         measured.append((system, tok_s, nbytes, arithmetic))
+        measured.extend(extra)
     # This VM's copy bandwidth swings (23-50 GB/s from one minute to the next) and so does its GEMM
     # rate (98-200 GFLOP/s float32 seen): each roof uses the median of a measurement before each
     # system, and the JSON keeps every sample.
@@ -340,6 +341,11 @@ def main() -> None:
                      "batch64_share_of_compute_roof_new_only": (round(tok_s["batch64"] / compute_roof_new_only, 3)
                                                                 if "batch64" in tok_s else None)})
 
+    # Single stream against llama.cpp's C API loop on the built-in Q4_1 file (the peer's own rate).
+    peer = next((r for r in rows if r["system"] == "llamacpp-q4_1"), None)
+    for r in rows:
+        if peer and r["system"].startswith("fivefold-") and r.get("single_tok_s"):
+            r["single_vs_llamacpp"] = round(r["single_tok_s"] / peer["single_tok_s"], 3)
     base = next((r for r in rows if r["system"] == "fivefold-float32"), None)
     table = Table(title=f"SmolLM2-135M, {PROMPT_LEN}-token pydoc prompts, EOS ignored; {plat.isa_level}, "
                         f"{torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
@@ -363,6 +369,9 @@ def main() -> None:
     for system, why in skipped.items():
         table.add_row(system, "skipped", why[:60], "", "", "", "", "")
     console.print(table)
+    if peer:
+        console.print("single stream / llama.cpp's (C API loop, Q4_1 file): " + ", ".join(
+            f"{r['system']} {r['single_vs_llamacpp']:.2f}x" for r in rows if "single_vs_llamacpp" in r))
     print(json_line({"benchmark": "peers", "machine": plat.isa_level, "bandwidth_GB_s": round(bandwidth / 1e9, 2),
                      "bandwidth_samples_GB_s": [round(b / 1e9, 1) for b in bandwidth_samples],
                      "peak_GFLOP_s": {k: round(v / 1e9, 1) for k, v in peaks.flops.items()},

@@ -28,7 +28,8 @@ model's resident weight bytes (the engine's stats: every distinct tensor the loa
 serving view hold, in every layout), the target bound 1.15 x those + the KV pool + 1 GiB, and
 decode tokens/s at batch 1 and 8 (128-token held-out
 prompts, 64 new tokens, EOS ignored, greedy; prefill excluded). llama.cpp (``~/peers/llamacpp``, see
-``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed.
+``../shared/PEERS.md``) runs the same GGUF file single stream when it is installed, through
+``benchmarks/llamacpp_decode.py`` (its C API in a decode loop, as llama-cli runs a token).
 
 This VM's memory bandwidth drifts by up to 1.6x from minute to minute, so a single fivefold run
 and a single llama.cpp run a minute apart can differ by that much whichever is faster.
@@ -48,6 +49,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -297,34 +299,6 @@ print(json.dumps({"load_s": load_s, "peak_rss_load": rss_load, "peak_rss": peak_
                   "weight_bytes": stats["weight_bytes"], "kv_cache_bytes": stats["kv_cache_bytes"], **speed}))
 """
 
-LLAMACPP_CHILD = r"""
-import json, sys, time
-def peak_rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-from llama_cpp import Llama
-path, prompt, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-start = time.perf_counter()
-llm = Llama(model_path=path, n_threads=2, n_ctx=512, verbose=False)
-load_s = time.perf_counter() - start
-rss_load = peak_rss()
-eos = llm.token_eos()
-def no_eos(ids, logits):
-    logits[eos] = -float("inf")
-    return logits
-from llama_cpp import LogitsProcessorList
-times = []
-for token in llm.generate(prompt, temp=0, top_k=1, logits_processor=LogitsProcessorList([no_eos])):
-    times.append(time.perf_counter())
-    if len(times) == new_tokens:
-        break
-llm.reset()
-print(json.dumps({"load_s": load_s, "peak_rss_load": rss_load, "peak_rss": peak_rss(),
-                  "decode_tok_s_batch1": (len(times) - 1) / (times[-1] - times[0])}))
-"""
-
-
 def run_child(argv: list[str], timeout: int = 3600) -> dict:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                           cwd=Path(__file__).resolve().parents[1])
@@ -346,7 +320,16 @@ def measure_llamacpp(path: Path) -> dict:
 
     tokenizer = load_tokenizer(DEFAULT_LLM)[0]
     prompt = corpus_prompts(corpus_ids(tokenizer, "heldout"), 1, PROMPT_LEN, seed=0)[0]
-    return run_child([str(LLAMACPP_PYTHON), "-c", LLAMACPP_CHILD, str(path), json.dumps(prompt), str(NEW_TOKENS)])
+    # benchmarks/llamacpp_decode.py: llama.cpp's C API decode loop (what llama-cli runs a token), one run
+    # per call as fivefold's child does; this script repeats the whole measurement.
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "prompt.json").write_text(json.dumps(prompt))
+        found = run_child([str(LLAMACPP_PYTHON), str(Path(__file__).resolve().parent / "llamacpp_decode.py"),
+                           str(path), "--prompt", str(Path(tmp) / "prompt.json"), "--new", str(NEW_TOKENS),
+                           "--n-ctx", "512", "--repeats", "1", "--no-generate"])
+    if "error" in found:
+        return found
+    return {k: found[k] for k in ("load_s", "peak_rss_load", "peak_rss")} | {"decode_tok_s_batch1": found["decode_tok_s"]}
 
 
 def brief(run: dict) -> str:
