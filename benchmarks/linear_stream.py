@@ -19,13 +19,15 @@ Backends:
   stream   fivefold::stream_linear (fivefold/kernels/linear_stream.cpp) on stream_pack's tile-major
            layout: float32, bfloat16, int8 (W8A16); for int4, fivefold::int4_linear
            (fivefold/kernels/int4_linear.cpp): 4-bit codes with a float16 scale and minimum per 32
-           weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales)
+           weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales);
+           int4-g128 per 128 (what `--quantization w4a16` makes on load, 4.25 bits); q4_0 a scale
+           per 32, no minimum
   stream-a8  int4 only: the same kernel with int8 activations (W4A8: each row quantized per block
            of 32 inside the call, integer dot products: VNNI vpdpbusd, or vpmaddubsw on AVX2)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,q4_0,q8_0] [--shapes smollm2|llama3b|llama8b]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,int4-g128,q4_0,q8_0] [--shapes smollm2|llama3b|llama8b]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -55,7 +57,10 @@ INT4_GROUP = 32
 # float16 scale per block, 8.5 bits per weight)
 # float16 scale per block, 8.5 bits per weight); q4_0: GGUF Q4_0's, symmetric codes with a float16
 # scale per 32 (4.5 bits)
-BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "q8_0": 1 + 2 / 32, "q4_0": 0.5 + 2 / 32}
+# int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128)
+INT4_GROUPS = {"int4": INT4_GROUP, "int4-g128": 128, "q4_0": 32}
+BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g128": 0.5 + 4 / 128, "q8_0": 1 + 2 / 32,
+                    "q4_0": 0.5 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
 # and the per-call cost (the Python call, the thread team, quantizing one activation row) is small.
@@ -88,11 +93,12 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
     for _ in range(num_copies):
         copy = []
         for n, k in SHAPES:
-            if dtype in ("int4", "q4_0"):  # codes, float16 scales (and minimums for int4) per group of 32
+            if dtype in INT4_GROUPS:  # codes, float16 scales (and minimums for int4) per group
+                groups = -(-k // INT4_GROUPS[dtype])
                 copy.append((torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
-                             ((torch.rand(n, k // INT4_GROUP, generator=generator) / 100).half(),
+                             ((torch.rand(n, groups, generator=generator) / 100).half(),
                               None if dtype == "q4_0" else
-                              (torch.randn(n, k // INT4_GROUP, generator=generator) / 10).half())))
+                              (torch.randn(n, groups, generator=generator) / 10).half())))
             elif dtype == "q8_0":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              torch.rand(n, k // 32, generator=generator) / 100))
@@ -106,7 +112,7 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
 
 
 def backends(dtype: str):
-    if dtype in ("int4", "q4_0"):
+    if dtype in INT4_GROUPS:
         ops4 = int4_ops()
         if ops4 is None:
             return {}
@@ -196,7 +202,7 @@ def main() -> None:
         model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8", "int4", "q8_0", "q4_0") else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "q8_0", *INT4_GROUPS) else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

@@ -58,6 +58,31 @@ def test_int4_linear_matches_float64(rows, n, k, group, symmetric):
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * k ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 32), (36, 576, 128), (8, 2048, 256), (37, 96, 64)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_few_rows_are_as_exact_as_float32(rows, n, k, group, symmetric):
+    """1-7 rows (AVX-512 VNNI: each group of a row as 24-bit integers, split in two 16-bit halves,
+    summed exactly by vpdpwssd; elsewhere float FMAs): within float32's own rounding of the float64
+    result, on rows whose groups mix magnitudes 1e-4 to 1e3 (a dropped or misplaced half, or a
+    column matched to the wrong activation, is off by orders of magnitude more)."""
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(rows * 7919 + n + k + group + symmetric)
+    q, scale, offset = _codes(n, k, group, symmetric, gen)
+    x = torch.randn(rows, k, generator=gen) * 10.0 ** torch.randint(-4, 4, (rows, k), generator=gen)
+    w = dequantize_int4(q, scale, offset, group).double()
+    y = ops.int4_linear(x, ops.int4_pack(q), ops.int4_pack_groups(scale, True),
+                        None if offset is None else ops.int4_pack_groups(offset, True), None)
+    ref = x.double() @ w.t()
+    # float32's rounding: of each product's terms, and of each group's largest activation
+    groups = -(-k // group)
+    xg = torch.nn.functional.pad(x.abs().double(), (0, groups * group - k)).view(rows, groups, group)
+    wg = torch.nn.functional.pad(w.abs(), (0, groups * group - k)).view(n, groups, group)
+    bound = 2.0 ** -24 * (x.abs().double() @ w.abs().t() + xg.amax(-1) @ wg.sum(-1).t())
+    err = (y.double() - ref).abs()
+    assert bool((err <= 16 * bound + 1e-30).all()), float((err / bound).max())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32),
                                        (44, 2336, 32)])
