@@ -25,10 +25,11 @@
 // converted to floats (a zero extension, an AND, a shift, two conversions), the row's partial sums
 // per group are scaled into the accumulators once per group, and the offsets enter as
 // offset * sum_g(x), with the row's group sums of x computed once per call: fewer operations per
-// weight where a group's table would serve one row only. With AVX-512 VNNI the rows below the row
-// groups (1-3 rows, and the remainder of 5-7) take tile_row_split instead: each group of a row as
-// exact 24-bit integers in two 16-bit halves, codes times halves by vpdpwssd, exact int32 sums
-// (see there): W4A16 at 1 row 1.25-1.45x faster, 24-26 GB/s on Llama-3-8B's matrices. Measured in cache, one thread, 512 x 2048
+// weight where a group's table would serve one row only. With AVX2 and AVX-512 the rows below the
+// row groups (1 row and odd remainders on AVX2; 1-3 rows and the remainder of 5-7 on AVX-512) take
+// tile_row_split instead: each group of a row as exact 24-bit integers in two 16-bit halves, codes
+// times halves by vpdpwssd (VNNI) or vpmaddwd, exact int32 sums (see there): W4A16 at 1 row
+// 1.25-1.45x faster with AVX-512 VNNI, 1.12-1.30x with AVX2, on Llama-3-8B's matrices. Measured in cache, one thread, 512 x 2048
 // (Zen 4): 4 rows 18 -> 24 GMAC/s (groups of 32) and 27 -> 32 (128) with the tables; one row 16 and
 // 21 GMAC/s with the folded sums against 14 and 21 with the tables.
 #include <torch/extension.h>
@@ -168,28 +169,77 @@ inline void tile_row(const float* x, const uint8_t* wt, int64_t st, int64_t n, i
   for (int c = 0; c < C; ++c) y[n + c] = vsum(acc[c]) + off[c] + (o.bias ? o.bias[n + c] : 0.f);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define FIVEFOLD_W4_SPLIT 1
-// ---- One row, AVX-512 VNNI: float activations as exact integers ----
-//
-// The float path above spends 7 vector operations per channel and 32 weights (a zero extension,
-// an AND, a shift, two conversions, two FMAs) on two 512-bit ports: on 2 cores it streams 4-bit
-// weights at ~60% of DRAM's rate, compute-bound. Here each group of the row is scaled to 24-bit
-// integers, x = d * v with |v| <= 2^23 - 1 (d = amax / (2^23 - 1): the rounding error is at most
-// amax * 2^-24, float32's own for the group's largest element), and v is split exactly into
-// v = 4096 * hi + lo, hi in [-2048, 2047], lo in [0, 4095]. The codes stay in the 16-bit words of
-// the weight vector as loaded (a word holds 4 nibbles: columns 2w, W + 2w, 2w + 1, W + 2w + 1 of
-// its channel), so each nibble takes one shift and/or AND for all 4 channels, and vpdpwssd
-// multiplies it by the matching hi and lo words (broadcast to every channel's 128-bit lane: a
-// load) and sums pairs into int32 lanes, 4 per channel. Per 128 weights: 6 shifts/ANDs and 8
-// vpdpwssd instead of 28 operations. The sums are exact (a group of 256 at most: |sum hi q| <
-// 2^21, sum lo q < 2^22), converted once per group, 4096 * hi + lo in one FMA, then scaled by the
-// group's scale times d. The offsets enter as before (offset * sum of x, in float).
-constexpr int64_t kSplitWords = 64;  // per step of 2W = 32 columns: 4 nibbles x (hi, lo) x 8 words
-constexpr float kSplitMax = 8388607.f;  // 2^23 - 1
+constexpr int kLanes = kWidth >= kChannels ? static_cast<int>(kWidth) / kChannels : 1;  // int32 (and float) lanes per channel
 
-// Row x [K] -> xw [K / 32, 64] int16 and xd [groups]: word w of (nibble j, part) holds column
-// 2w (j = 0), 16 + 2w (1), 2w + 1 (2), 17 + 2w (3) of its step.
+#if defined(__AVX2__)
+// 4 channels' values, each spread over its kLanes lanes: [a0 a0 a0 a0 a1 a1 a1 a1 ...] (AVX-512)
+inline Vec spread4(__m128 v) {
+#if defined(__AVX512F__)
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+#else
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+#endif
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+#define FIVEFOLD_W4_SPLIT 1
+// ---- One row: float activations as exact integers ----
+//
+// The float path above spends 7 vector operations per channel and 2W weights (a zero extension,
+// an AND, a shift, two conversions, two FMAs): on 2 cores it streams 4-bit weights at ~50-70% of
+// DRAM's rate, compute-bound. Here each group of the row is scaled to 24-bit integers, x = d * v
+// with |v| <= 2^23 - 1 (d = amax / (2^23 - 1): the rounding error is at most amax * 2^-24,
+// float32's own for the group's largest element), and v is split exactly into v = 4096 * hi + lo,
+// hi in [-2048, 2047], lo in [0, 4095]. The codes stay in the 16-bit words of the weight vector as
+// loaded (a word holds 4 nibbles: columns 2w, W + 2w, 2w + 1, W + 2w + 1 of its channel), so each
+// nibble position takes one shift and/or AND for all 4 channels, and a 16-bit multiply-add
+// (vpdpwssd with VNNI; vpmaddwd + vpaddd otherwise) multiplies it by the matching hi and lo words
+// (broadcast to every channel's lane group: a load) and sums pairs into int32 lanes, kLanes per
+// channel. Per step of 4 channels x 2W columns: 6 shifts/ANDs and 8 multiply-adds (16 without
+// VNNI) instead of 28 operations. The sums are exact (a group of 256 at most: |sum hi q| < 2^21,
+// sum lo q < 2^22), converted once per group, 4096 * hi + lo in one FMA, then scaled by the
+// group's scale times d. The offsets enter as before (offset * sum of x, in float).
+constexpr int64_t kSplitHalf = kWidth / 2;          // words per channel in a step
+constexpr int64_t kSplitWords = 4 * 2 * kSplitHalf;  // per step: 4 nibble positions x (hi, lo)
+constexpr float kSplitMax = 8388607.f;              // 2^23 - 1
+
+#if defined(__AVX512F__)
+using SVec = __m512i;
+inline SVec sload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline SVec s_and(SVec a, SVec b) { return _mm512_and_si512(a, b); }
+template <int N> inline SVec s_srl(SVec a) { return _mm512_srli_epi16(a, N); }
+inline SVec s_set16(int16_t v) { return _mm512_set1_epi16(v); }
+inline SVec s_zero() { return _mm512_setzero_si512(); }
+inline SVec s_bcast(const int16_t* p) {  // a channel's kSplitHalf words into every channel's lane group
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline SVec s_dot(SVec acc, SVec q, SVec x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, q, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(q, x));
+#endif
+}
+inline Vec s_float(SVec a) { return _mm512_cvtepi32_ps(a); }
+#else
+using SVec = __m256i;
+inline SVec sload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline SVec s_and(SVec a, SVec b) { return _mm256_and_si256(a, b); }
+template <int N> inline SVec s_srl(SVec a) { return _mm256_srli_epi16(a, N); }
+inline SVec s_set16(int16_t v) { return _mm256_set1_epi16(v); }
+inline SVec s_zero() { return _mm256_setzero_si256(); }
+inline SVec s_bcast(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+inline SVec s_dot(SVec acc, SVec q, SVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x)); }
+inline Vec s_float(SVec a) { return _mm256_cvtepi32_ps(a); }
+#endif
+
+// Row x [K] -> xw [K / 2W, kSplitWords] int16 and xd [groups]: word w of (nibble position j,
+// part) holds column 2w (j = 0), W + 2w (1), 2w + 1 (2), W + 2w + 1 (3) of its step.
 inline void split_row(const float* x, int64_t K, int64_t group_cols, int16_t* xw, float* xd) {
   for (int64_t g0 = 0, grp = 0; g0 < K; g0 += group_cols, ++grp) {
     const int64_t end = std::min(K, g0 + group_cols);
@@ -200,12 +250,12 @@ inline void split_row(const float* x, int64_t K, int64_t group_cols, int16_t* xw
     for (int64_t s0 = g0; s0 < end; s0 += kStepCols) {
       int16_t* out = xw + (s0 / kStepCols) * kSplitWords;
       for (int j = 0; j < 4; ++j)
-        for (int w = 0; w < 8; ++w) {
+        for (int64_t w = 0; w < kSplitHalf; ++w) {
           const int64_t col = (j & 1) * kWidth + 2 * w + (j >> 1);
           const int32_t v = static_cast<int32_t>(
               std::min(kSplitMax, std::max(-kSplitMax, std::nearbyint(x[s0 + col] * inv))));
-          out[j * 16 + w] = static_cast<int16_t>(v >> 12);        // hi (arithmetic shift: floor)
-          out[j * 16 + 8 + w] = static_cast<int16_t>(v & 4095);   // lo
+          out[j * 2 * kSplitHalf + w] = static_cast<int16_t>(v >> 12);             // hi (arithmetic shift: floor)
+          out[j * 2 * kSplitHalf + kSplitHalf + w] = static_cast<int16_t>(v & 4095);  // lo
         }
     }
   }
@@ -214,9 +264,8 @@ inline void split_row(const float* x, int64_t K, int64_t group_cols, int16_t* xw
 inline void tile_row_split(const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y, const Operands& o) {
   const int16_t* xw = o.xw + m * o.total_steps * kSplitWords;
   const float* xd = o.xd + m * o.groups;
-  const __m512i nib = _mm512_set1_epi16(15);
-  const __m512i spread_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc = _mm512_setzero_ps();
+  const SVec nib = s_set16(15);
+  Vec acc = vzero();
   __m128 off = _mm_setzero_ps();
   const uint8_t* p = wt;
   int64_t s = 0;
@@ -225,30 +274,29 @@ inline void tile_row_split(const uint8_t* wt, int64_t st, int64_t n, int64_t m, 
     const __m128 of = o.offset ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.offset + st + grp * kChannels)))
                                : _mm_mul_ps(sc, _mm_set1_ps(-8.f));
     off = _mm_fmadd_ps(of, _mm_set1_ps(o.xsum[m * o.groups + grp]), off);
-    __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+    SVec hi = s_zero(), lo = s_zero();
     const int64_t end = std::min(s + o.steps, o.total_steps);
     for (; s < end; ++s, p += kChannels * kWidth) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(p);
+      const SVec v = sload(p);
       const int16_t* xs = xw + s * kSplitWords;
-      const __m512i q[4] = {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
-                            _mm512_and_si512(_mm512_srli_epi16(v, 8), nib), _mm512_srli_epi16(v, 12)};
+      const SVec q[4] = {s_and(v, nib), s_and(s_srl<4>(v), nib), s_and(s_srl<8>(v), nib), s_srl<12>(v)};
       for (int j = 0; j < 4; ++j) {
-        hi = _mm512_dpwssd_epi32(hi, q[j], _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + j * 16))));
-        lo = _mm512_dpwssd_epi32(lo, q[j], _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + j * 16 + 8))));
+        hi = s_dot(hi, q[j], s_bcast(xs + j * 2 * kSplitHalf));
+        lo = s_dot(lo, q[j], s_bcast(xs + j * 2 * kSplitHalf + kSplitHalf));
       }
     }
-    const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(4096.f), _mm512_cvtepi32_ps(lo));
-    const __m512 scale = _mm512_permutexvar_ps(spread_idx, _mm512_castps128_ps512(_mm_mul_ps(sc, _mm_set1_ps(xd[grp]))));
-    acc = _mm512_fmadd_ps(part, scale, acc);
+    acc = vfma(vfma(s_float(hi), vset1(4096.f), s_float(lo)), spread4(_mm_mul_ps(sc, _mm_set1_ps(xd[grp]))), acc);
   }
-  alignas(64) float lanes[16];
+  alignas(64) float lanes[kWidth];
   alignas(16) float offs[4];
-  _mm512_store_ps(lanes, acc);
+  vstore(lanes, acc);
   _mm_store_ps(offs, off);
-  for (int c = 0; c < kChannels; ++c)
-    y[n + c] = (lanes[4 * c] + lanes[4 * c + 1]) + (lanes[4 * c + 2] + lanes[4 * c + 3]) + offs[c] +
-               (o.bias ? o.bias[n + c] : 0.f);
+  for (int c = 0; c < kChannels; ++c) {
+    float sum = 0.f;
+    for (int l = 0; l < kLanes; ++l) sum += lanes[c * kLanes + l];
+    y[n + c] = sum + offs[c] + (o.bias ? o.bias[n + c] : 0.f);
+  }
 }
 #endif
 
@@ -327,7 +375,6 @@ inline void channels(const float* x, int64_t M, int64_t K, const uint8_t* wt, in
 // channel, summed at the end. Per 32 weights and row: two multiply-adds of bytes, a conversion and
 // an FMA, against eight FMAs (and the dequantization) on the float path.
 constexpr int64_t kBlock = 32;
-constexpr int kLanes = kWidth >= kChannels ? static_cast<int>(kWidth) / kChannels : 1;  // int32 (and float) lanes per channel
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FIVEFOLD_A8 1
@@ -961,14 +1008,6 @@ struct Q8Scales {
   const at::Half* f16;    // tile-major [N, groups], or null
   int64_t groups;
 };
-
-inline Vec spread4(__m128 v) {
-#if defined(__AVX512F__)
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
-#else
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-#endif
-}
 
 // The C channels' scales of group grp for the tile at channel n, spread to their lane groups (a
 // narrower tile's missing channels 0), built in registers: scalar stores followed by a vector load
