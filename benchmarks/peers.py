@@ -223,8 +223,6 @@ def run_llamacpp(python: Path, gguf: Path, prompt: list[int], new: int) -> dict:
     return {"single": found["decode_tok_s"], "single_generate": found["generate_tok_s"]}
 
 
-
-
 def run_in_venv(python: Path, script: str, spec: dict, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "run.py").write_text(script)

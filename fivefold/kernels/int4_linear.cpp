@@ -29,8 +29,8 @@
 // row groups (1 row and odd remainders on AVX2; 1-3 rows and the remainder of 5-7 on AVX-512) take
 // tile_row_split instead: each group of a row as exact 24-bit integers in two 16-bit halves, codes
 // times halves by vpdpwssd (VNNI) or vpmaddwd, exact int32 sums (see there): W4A16 at 1 row
-// 1.25-1.45x faster with AVX-512 VNNI, 1.12-1.30x with AVX2, on Llama-3-8B's matrices. Measured in cache, one thread, 512 x 2048
-// (Zen 4): 4 rows 18 -> 24 GMAC/s (groups of 32) and 27 -> 32 (128) with the tables; one row 16 and
+// 1.25-1.45x faster with AVX-512 VNNI, 1.12-1.30x with AVX2, on Llama-3-8B's matrices. The float
+// paths, measured in cache, one thread, 512 x 2048 (Zen 4): 4 rows 18 -> 24 GMAC/s (groups of 32) and 27 -> 32 (128) with the tables; one row 16 and
 // 21 GMAC/s with the folded sums against 14 and 21 with the tables.
 #include <torch/extension.h>
 #include <omp.h>
@@ -104,7 +104,7 @@ struct Operands {
   const at::Half* scale;   // tile-major [N, groups]
   const at::Half* offset;  // tile-major [N, groups], or null: symmetric, offset = -8 * scale
   const float* xsum;       // [M, groups]: each row's sum of x over each group (the one-row path)
-  const int16_t* xw;       // [M, steps, 64]: each row's split 24-bit integers (split_rows), or null
+  const int16_t* xw;       // [M, total_steps, kSplitWords]: rows' split 24-bit integers (split_row), or null
   const float* xd;         // [M, groups]: their scale per group
   const float* bias;       // [N] or null
   int64_t groups, steps;   // groups per row; column steps per (full) group
@@ -182,7 +182,35 @@ inline Vec spread4(__m128 v) {
 }
 #endif
 
-#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+// Integer vectors of the weights' bytes (one step of a tile per vector) and the activations broadcast
+// to every channel's lane group: the W4A8 paths below and the one-row split use them.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FIVEFOLD_A8 1
+using IVec = __m512i;
+constexpr int64_t kStepsPerBlock = 1;
+inline IVec wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+inline IVec xbroadcast(const int8_t* p) {  // W = 16 bytes into each channel's 128-bit lane
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+#elif defined(__AVX2__)
+#define FIVEFOLD_A8 1
+using IVec = __m256i;
+constexpr int64_t kStepsPerBlock = 2;
+inline IVec wload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+inline IVec xbroadcast(const int8_t* p) {  // W = 8 bytes into each channel's 64-bit lane
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+#endif
+
+#if defined(FIVEFOLD_A8)
 #define FIVEFOLD_W4_SPLIT 1
 // ---- One row: float activations as exact integers ----
 //
@@ -204,38 +232,25 @@ constexpr int64_t kSplitHalf = kWidth / 2;          // words per channel in a st
 constexpr int64_t kSplitWords = 4 * 2 * kSplitHalf;  // per step: 4 nibble positions x (hi, lo)
 constexpr float kSplitMax = 8388607.f;              // 2^23 - 1
 
+// Beside IVec's helpers: 16-bit shifts and masks, and the multiply-add of 16-bit pairs into int32.
 #if defined(__AVX512F__)
-using SVec = __m512i;
-inline SVec sload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline SVec s_and(SVec a, SVec b) { return _mm512_and_si512(a, b); }
-template <int N> inline SVec s_srl(SVec a) { return _mm512_srli_epi16(a, N); }
-inline SVec s_set16(int16_t v) { return _mm512_set1_epi16(v); }
-inline SVec s_zero() { return _mm512_setzero_si512(); }
-inline SVec s_bcast(const int16_t* p) {  // a channel's kSplitHalf words into every channel's lane group
-  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline SVec s_dot(SVec acc, SVec q, SVec x) {
+inline IVec s_and(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+template <int N> inline IVec s_srl(IVec a) { return _mm512_srli_epi16(a, N); }
+inline IVec s_set16(int16_t v) { return _mm512_set1_epi16(v); }
+inline IVec s_zero() { return _mm512_setzero_si512(); }
+inline IVec s_dot(IVec acc, IVec q, IVec x) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, q, x);
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(q, x));
 #endif
 }
-inline Vec s_float(SVec a) { return _mm512_cvtepi32_ps(a); }
 #else
-using SVec = __m256i;
-inline SVec sload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline SVec s_and(SVec a, SVec b) { return _mm256_and_si256(a, b); }
-template <int N> inline SVec s_srl(SVec a) { return _mm256_srli_epi16(a, N); }
-inline SVec s_set16(int16_t v) { return _mm256_set1_epi16(v); }
-inline SVec s_zero() { return _mm256_setzero_si256(); }
-inline SVec s_bcast(const int16_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm256_set1_epi64x(v);
-}
-inline SVec s_dot(SVec acc, SVec q, SVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x)); }
-inline Vec s_float(SVec a) { return _mm256_cvtepi32_ps(a); }
+inline IVec s_and(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+template <int N> inline IVec s_srl(IVec a) { return _mm256_srli_epi16(a, N); }
+inline IVec s_set16(int16_t v) { return _mm256_set1_epi16(v); }
+inline IVec s_zero() { return _mm256_setzero_si256(); }
+inline IVec s_dot(IVec acc, IVec q, IVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x)); }
 #endif
 
 // Row x [K] -> xw [K / 2W, kSplitWords] int16 and xd [groups]: word w of (nibble position j,
@@ -264,7 +279,7 @@ inline void split_row(const float* x, int64_t K, int64_t group_cols, int16_t* xw
 inline void tile_row_split(const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y, const Operands& o) {
   const int16_t* xw = o.xw + m * o.total_steps * kSplitWords;
   const float* xd = o.xd + m * o.groups;
-  const SVec nib = s_set16(15);
+  const IVec nib = s_set16(15);
   Vec acc = vzero();
   __m128 off = _mm_setzero_ps();
   const uint8_t* p = wt;
@@ -274,19 +289,20 @@ inline void tile_row_split(const uint8_t* wt, int64_t st, int64_t n, int64_t m, 
     const __m128 of = o.offset ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.offset + st + grp * kChannels)))
                                : _mm_mul_ps(sc, _mm_set1_ps(-8.f));
     off = _mm_fmadd_ps(of, _mm_set1_ps(o.xsum[m * o.groups + grp]), off);
-    SVec hi = s_zero(), lo = s_zero();
+    IVec hi = s_zero(), lo = s_zero();
     const int64_t end = std::min(s + o.steps, o.total_steps);
     for (; s < end; ++s, p += kChannels * kWidth) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
-      const SVec v = sload(p);
+      const IVec v = wload(p);
       const int16_t* xs = xw + s * kSplitWords;
-      const SVec q[4] = {s_and(v, nib), s_and(s_srl<4>(v), nib), s_and(s_srl<8>(v), nib), s_srl<12>(v)};
+      const IVec q[4] = {s_and(v, nib), s_and(s_srl<4>(v), nib), s_and(s_srl<8>(v), nib), s_srl<12>(v)};
       for (int j = 0; j < 4; ++j) {
-        hi = s_dot(hi, q[j], s_bcast(xs + j * 2 * kSplitHalf));
-        lo = s_dot(lo, q[j], s_bcast(xs + j * 2 * kSplitHalf + kSplitHalf));
+        const int8_t* xj = reinterpret_cast<const int8_t*>(xs + j * 2 * kSplitHalf);  // W bytes: the hi words
+        hi = s_dot(hi, q[j], xbroadcast(xj));
+        lo = s_dot(lo, q[j], xbroadcast(xj + kWidth));
       }
     }
-    acc = vfma(vfma(s_float(hi), vset1(4096.f), s_float(lo)), spread4(_mm_mul_ps(sc, _mm_set1_ps(xd[grp]))), acc);
+    acc = vfma(vfma(to_float(hi), vset1(4096.f), to_float(lo)), spread4(_mm_mul_ps(sc, _mm_set1_ps(xd[grp]))), acc);
   }
   alignas(64) float lanes[kWidth];
   alignas(16) float offs[4];
@@ -375,40 +391,6 @@ inline void channels(const float* x, int64_t M, int64_t K, const uint8_t* wt, in
 // channel, summed at the end. Per 32 weights and row: two multiply-adds of bytes, a conversion and
 // an FMA, against eight FMAs (and the dequantization) on the float path.
 constexpr int64_t kBlock = 32;
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define FIVEFOLD_A8 1
-using IVec = __m512i;
-constexpr int64_t kStepsPerBlock = 1;
-inline IVec wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
-inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
-inline IVec xbroadcast(const int8_t* p) {  // W = 16 bytes into each channel's 128-bit lane
-  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
-// lanes of 4 per channel: [a0 a0 a0 a0 a1 a1 a1 a1 ...]
-inline Vec spread(const float* a) {
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                               _mm512_castps128_ps512(_mm_loadu_ps(a)));
-}
-#elif defined(__AVX2__)
-#define FIVEFOLD_A8 1
-using IVec = __m256i;
-constexpr int64_t kStepsPerBlock = 2;
-inline IVec wload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
-inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
-inline IVec xbroadcast(const int8_t* p) {  // W = 8 bytes into each channel's 64-bit lane
-  int64_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm256_set1_epi64x(v);
-}
-inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
-inline Vec spread(const float* a) {
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(a)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-#endif
 
 #if defined(FIVEFOLD_A8)
 // One activation block's weights for the C channels of a tile: the codes of each step's low and
@@ -515,11 +497,11 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
         part[r] = vfma(sum, vset1(a.d[at]), part[r]);
       }
     }
-    const Vec scv = spread(sc);
+    const Vec scv = spread4(_mm_loadu_ps(sc));
     if constexpr (Symmetric) {
       for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
     } else {
-      const Vec ofv = spread(of);
+      const Vec ofv = spread4(_mm_loadu_ps(of));
       for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
     }
   }
@@ -1259,7 +1241,8 @@ Operands checked_operands(const char* op, const torch::Tensor& w, int64_t K, con
     TORCH_CHECK(bias.numel() == N, op, ": bias must have ", N, " elements");
   }
   return Operands{scale.data_ptr<at::Half>(), offset.defined() ? offset.data_ptr<at::Half>() : nullptr,
-                  /*xsum=*/nullptr, /*xw=*/nullptr, /*xd=*/nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr, groups, group_cols / kStepCols, K / kStepCols};
+                  /*xsum=*/nullptr, /*xw=*/nullptr, /*xd=*/nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                  groups, group_cols / kStepCols, K / kStepCols};
 }
 
 // Every tile of the weight (threads split the tiles) against all M rows: body(C, byte offset of the
@@ -1296,12 +1279,12 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   o.xsum = xsum.data_ptr<float>();
 #if defined(FIVEFOLD_W4_SPLIT)
   // The rows that tile_row would take (fewer than kRows, or the remainder below the float panels'
-  // threshold) go through the integer split instead.
+  // threshold) go through the integer split instead; only those rows are split (indexed by m).
   torch::Tensor xw, xd;
   if (M % kRows != 0 && M < kFloatPanelMinRows) {
     xw = torch::empty({M, o.total_steps * kSplitWords}, xf.options().dtype(torch::kInt16));
     xd = torch::empty({M, groups}, xf.options());
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = M - M % kRows; m < M; ++m)
       split_row(xf.data_ptr<float>() + m * K, K, group_cols, xw.data_ptr<int16_t>() + m * o.total_steps * kSplitWords,
                 xd.data_ptr<float>() + m * groups);
     o.xw = xw.data_ptr<int16_t>();
