@@ -91,7 +91,8 @@ void rotate_in_place(torch::Tensor x, const float* cp, const float* sp) {
   const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
   const int64_t ts = x.stride(0), hs = x.stride(1);
   float* xp = x.data_ptr<float>();
-#pragma omp parallel for collapse(2) schedule(static) if (T * H > 8)
+  // A fork/join costs more than rotating a decode step's few heads (one token: ~600 values)
+#pragma omp parallel for collapse(2) schedule(static) if (T * H * half > (1 << 14))
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H; ++h) {
       float* x1 = xp + t * ts + h * hs;

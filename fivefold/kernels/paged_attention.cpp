@@ -59,7 +59,7 @@ struct PagedRows {
   int64_t num_kv_heads, block_size, head_dim, row_size;
 
   PagedRows(const torch::Tensor& kv_cache, int64_t which)
-      : base(kv_cache[which].data_ptr<cache_t>()), num_kv_heads(kv_cache.size(2)), block_size(kv_cache.size(3)),
+      : base(kv_cache.data_ptr<cache_t>() + which * kv_cache.stride(0)), num_kv_heads(kv_cache.size(2)), block_size(kv_cache.size(3)),
         head_dim(kv_cache.size(4) - row_extra<cache_t>()), row_size(kv_cache.size(4)) {}
 
   // Row t of head h of a sequence, wherever its block lies.
