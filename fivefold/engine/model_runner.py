@@ -120,8 +120,15 @@ class ModelRunner:
         """Flat inputs of one step: token ids, positions and attention metadata.
 
         Python loops run over sequences only; per-token work (positions, slots) is
-        done with tensor ops.
+        done with tensor ops. A decode-only step (one token per sequence, no proposals) takes
+        :meth:`_prepare_decode`, the same values from plain lists.
         """
+        if all(n == 1 and not seq.spec_token_ids for seq, n in scheduled):
+            return self._prepare_decode(scheduled)
+        return self._prepare_any(scheduled)
+
+    def _prepare_any(self, scheduled: list[tuple[Sequence, int]]):
+        """:meth:`prepare` for any step: prompts, chunks, proposals, decode rows mixed."""
         num_new = torch.tensor([n for _, n in scheduled], dtype=torch.long)
         starts = torch.tensor([seq.num_computed_tokens for seq, _ in scheduled], dtype=torch.long)
         query_start = torch.zeros(len(scheduled) + 1, dtype=torch.long)
@@ -150,6 +157,30 @@ class ModelRunner:
         )
         return torch.tensor(input_ids, dtype=torch.long), positions, meta
 
+    def _prepare_decode(self, scheduled: list[tuple[Sequence, int]]):
+        """:meth:`prepare` for a step where each sequence adds its next token: every value is
+        one list element per sequence, so the lists become tensors directly (at batch 1 the
+        tensor ops of the general path cost more than the rest of the step's Python)."""
+        bs = self.block_size
+        positions = [seq.num_computed_tokens for seq, _ in scheduled]
+        blocks = [seq.block_ids[p // bs] for (seq, _), p in zip(scheduled, positions)]
+        offsets = [p % bs for p in positions]
+        max_blocks = max(len(seq.block_ids) for seq, _ in scheduled)
+        blocks_t, offsets_t = torch.tensor(blocks, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
+        meta = AttentionMetadata(
+            query_start_loc=list(range(len(scheduled) + 1)),
+            seq_lens=[p + 1 for p in positions],
+            slot_mapping=blocks_t * bs + offsets_t,
+            block_tables=torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq, _ in scheduled],
+                                      dtype=torch.long),
+            block_size=bs,
+            use_decode_kernel=self.use_decode_kernel,
+            use_tiled_prefill=self.use_tiled_prefill,
+            _slot_parts=(blocks_t, offsets_t),
+        )
+        input_ids = [seq.token_ids[p] for (seq, _), p in zip(scheduled, positions)]
+        return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         """Run one step: logits of the sequences that sample, and the prompt logprobs computed."""
@@ -169,7 +200,9 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if not rows:
             return StepResult(torch.empty(0, self.model.config.vocab_size), [], prompt_logprobs)
-        return StepResult(self.model.compute_logits(hidden[rows]), sampling, prompt_logprobs)
+        # consecutive rows (every decode step) as a view: list indexing gathers a copy
+        picked = hidden[rows[0]: rows[-1] + 1] if rows[-1] - rows[0] + 1 == len(rows) else hidden[rows]
+        return StepResult(self.model.compute_logits(picked), sampling, prompt_logprobs)
 
     def _prompt_logprobs(self, scheduled, meta: AttentionMetadata, hidden: torch.Tensor) -> dict:
         """{request id: [(logprob, top pairs) of prompt tokens start+1 .. ]} for the sequences that

@@ -130,3 +130,37 @@ def test_models_the_loop_cannot_run_keep_the_python_loop(tmp_path):
     assert ModelRunner(f32.model, EngineConfig(kv_cache_memory_bytes=8 << 20, hot_path="eager")).native_decoder is None
     with pytest.raises(Exception, match="decode_loop must be one of cpp, python"):
         EngineConfig(decode_loop="graph")
+
+
+def test_decode_step_inputs_equal_the_general_preparation(tmp_path):
+    """prepare's decode-only path (plain lists) builds what the general path builds: token ids,
+    positions, slots and their (block, offset) parts, block tables, lengths; randomized batches
+    of contexts crossing block boundaries, sequences in any order, many steps."""
+    save_random_hf_model("llama", tmp_path)
+    loaded = load_model(str(tmp_path))
+    runner = ModelRunner(loaded.model, EngineConfig(block_size=4, kv_cache_memory_bytes=8 << 20))
+    gen = torch.Generator().manual_seed(11)
+    blocks = KVCacheManager(runner.num_blocks, 4)
+    seqs = []
+    for i in range(6):
+        n = int(torch.randint(1, 30, (1,), generator=gen))
+        seq = Sequence(f"s{i}", torch.randint(3, TINY_VOCAB, (n + 40,), generator=gen).tolist(), SamplingParams())
+        assert blocks.allocate_slots(seq, n)
+        seq.num_computed_tokens = n
+        seqs.append(seq)
+    for _ in range(40):
+        order = torch.randperm(len(seqs), generator=gen)[: int(torch.randint(1, len(seqs) + 1, (1,), generator=gen))]
+        step = [(seqs[i], 1) for i in order.tolist()]
+        for seq, _ in step:
+            assert blocks.allocate_slots(seq, 1)
+        fast, general = runner._prepare_decode(step), runner._prepare_any(step)
+        assert runner.prepare(step)[2].slot_mapping.tolist() == fast[2].slot_mapping.tolist()
+        for a, b in zip(fast[:2], general[:2]):
+            assert a.dtype == b.dtype == torch.long and a.tolist() == b.tolist()
+        fm, gm = fast[2], general[2]
+        assert fm.query_start_loc == gm.query_start_loc and fm.seq_lens == gm.seq_lens
+        assert torch.equal(fm.slot_mapping, gm.slot_mapping) and torch.equal(fm.block_tables, gm.block_tables)
+        for a, b in zip(fm.slot_blocks_and_offsets(), gm.slot_blocks_and_offsets()):
+            assert torch.equal(a, b)
+        for seq, _ in step:
+            seq.num_computed_tokens += 1
