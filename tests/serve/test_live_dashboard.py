@@ -93,7 +93,9 @@ def test_live_page_moves_while_requests_run(tmp_path):
         stop = threading.Event()
         poller = threading.Thread(target=poll, args=(stop,))
         poller.start()
-        body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        # Long enough that the 50 ms poller sees the batch running: at 24 tokens the tiny model's
+        # requests could all finish between two polls on a loaded machine (seen in CI).
+        body = {"model": "tiny", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
         with httpx.Client(headers={"Authorization": "Bearer sekret"}, timeout=60) as client:
             threads = [threading.Thread(target=client.post, args=(url + "/v1/completions",),
                                         kwargs={"json": body | {"prompt": [5 + i, 7, 9]}}) for i in range(6)]
