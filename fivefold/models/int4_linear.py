@@ -45,6 +45,7 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
+from fivefold.models.layers import packed_matmul
 from fivefold.models.int8_primitives import ACT_BLOCK, dequantize_activations, quantize_activations  # noqa: F401 (re-exported)
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -315,8 +316,9 @@ class Int4Linear(nn.Module):
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill: dequantize a tile of output channels at a time (the weights stay 4-bit)."""
         p, g = self._prepared, self.format.group_size
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         tile = max(KERNEL_TILE, min(DEQUANT_TILE, DEQUANT_TILE_BYTES // (4 * self.in_features)) // KERNEL_TILE * KERNEL_TILE)
+        single = tile >= self.out_features  # one tile: its product is the output, no copy
+        out = None if single else torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         for n0 in range(0, self.out_features, tile):  # whole tiles of the layout: a slice stays in it
             n1 = min(n0 + tile, self.out_features)
             if p is None:
@@ -326,7 +328,10 @@ class Int4Linear(nn.Module):
             else:
                 w = int4_ops().int4_dequantize(p["w"][n0:n1], p["scale"][n0:n1],
                                                None if p["offset"] is None else p["offset"][n0:n1])
-            out[:, n0:n1] = x @ w.to(x.dtype).t()
+            if single:
+                out = packed_matmul(x, w.to(x.dtype))
+            else:
+                out[:, n0:n1] = packed_matmul(x, w.to(x.dtype))
         return out + self.bias.to(x.dtype) if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -35,6 +35,7 @@ from torch import nn
 
 from fivefold.kernels import int8_ops
 from fivefold.errors import FivefoldError
+from fivefold.models.layers import packed_matmul
 from fivefold.models.int8_backends import (
     EXACT_FALLBACK,
     EXACT_KERNEL,
@@ -376,14 +377,18 @@ class Int8Linear(nn.Module):
             x = dequantize_activations(*quantize_activations(x))  # the kernel's numbers, through float
         if stream is not None and x.shape[0] <= SMALL_BATCH:
             return int8_ops().int8_weight_linear(x, stream, p["stream_scale"], self.bias)
-        out = torch.empty(x.shape[0], self.out_features)
+        single = self.out_features <= DEQUANT_TILE  # one tile: its product is the output, no copy
+        out = None if single else torch.empty(x.shape[0], self.out_features)
         for n0 in range(0, self.out_features, DEQUANT_TILE):  # a multiple of the kernel's 4-channel tiles
             if stream is not None:
                 q = int8_ops().stream_unpack(stream[n0:n0 + DEQUANT_TILE])[:, :self.in_features]
             else:
                 q = self.weight[n0:n0 + DEQUANT_TILE]
             w = dequantize_weight(q, self._scale_rows(n0, n0 + DEQUANT_TILE))
-            out[:, n0:n0 + DEQUANT_TILE] = x @ w.t()
+            if single:
+                out = packed_matmul(x, w)
+            else:
+                out[:, n0:n0 + DEQUANT_TILE] = packed_matmul(x, w)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
