@@ -1224,8 +1224,9 @@ namespace {
 // keeps across calls: a decode step makes ~120 calls whose scratch is a few KB, and four
 // torch::empty per call (allocator, TensorImpl, posix_memalign) cost ~5% of a SmolLM2 token on
 // Zen 4 (perf). Requests above kScratchKeep bytes (prefill sizes) get a temporary tensor, so a
-// thread never holds more than that. A call takes its pieces before running; nothing it calls
-// takes scratch of its own, so one buffer per thread is enough.
+// thread never holds more than that. A call takes its pieces before running; the one nested
+// taker (run_int8's fallback without integer dot products, into run_float) is done with the
+// outer pieces before it takes its own, so one buffer per thread is enough.
 constexpr int64_t kScratchKeep = 1 << 20;
 constexpr int64_t kScratchAlign = 64;
 
