@@ -17,7 +17,8 @@
 // order, [groups, C] per tile, so a thread reads three sequential streams.
 //
 // From 8 rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
-// below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes). 2-7 rows:
+// below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes); with
+// AVX-512, float activations from 16 rows take panels.h's (channels in the lanes, as W8A16's). 2-7 rows:
 // each byte vector becomes two vectors of dequantized float weights, which every row then
 // multiplies: with AVX-512, the 16 values scale * q + offset of a channel's group sit in one
 // register and a permute looks the codes up in it (a zero extension, a shift and two permutes per
@@ -41,6 +42,7 @@
 #include <cstring>
 #include <vector>
 
+#include "panels.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -1300,6 +1302,50 @@ void for_each_tile(int64_t N, int64_t channel_bytes, int64_t K, Body&& body) {
   }
 }
 
+#if defined(FIVEFOLD_FLOAT_PANELS) && defined(__AVX512F__)
+#define FIVEFOLD_INT4_FLOAT_PANELS 1
+// W4A16 from fpanel::kMinRows rows with AVX-512: panels.h's float panels. Columns [k0, k0 + cols)
+// of the channels [n0, n0 + fpanel::kLanes) (whole tiles) as floats scale * q + offset into
+// buf [cols][fpanel::kLanes]: a step's low nibbles are its first W columns and its high nibbles the
+// next W, each laid out as an int8 step is (byte W c + j: channel c, column j), so they take the
+// int8 weights' transposes. A step lies in one group. Zen 4, in cache, against FloatPanel below:
+// 64 rows 1.1-1.2x, 16 rows 1.1-1.4x (8 rows 0.7-1.0x: the threshold stays 16). With AVX2 the
+// widening (8 x 8 transposes of floats) made them 0.75-0.95x FloatPanel at 8-16 rows and no faster
+// at 64, so AVX2 keeps FloatPanel.
+inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0, int64_t cols, const Operands& o,
+                             int64_t group_cols, float* buf) {
+  constexpr int64_t kLanes = fpanel::kLanes;
+  const int64_t channel_bytes = K / 2, tile_bytes = kChannels * channel_bytes, groups = o.groups;
+  static const fpanel::TileColumns columns;
+  // the 4 tiles' (16 channels') float16 values of group grp from tile-major [N, groups], as floats
+  const auto four_tiles = [&](const at::Half* base, int64_t n, int64_t grp) {
+    int64_t h[4];
+    for (int t = 0; t < 4; ++t) std::memcpy(&h[t], base + (n + kChannels * t) * groups + grp * kChannels, 8);
+    return _mm512_cvtph_ps(_mm256_setr_epi64x(h[0], h[1], h[2], h[3]));
+  };
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t s = 0; s < cols / kStepCols; ++s) {
+    const int64_t col = k0 + s * kStepCols, grp = col / group_cols;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t n = n0 + 16 * half;
+      const Vec sv = four_tiles(o.scale, n, grp);
+      const Vec ov = o.offset ? four_tiles(o.offset, n, grp) : vmul(sv, vset1(-8.f));
+      const uint8_t* p = w + n * channel_bytes + col / kStepCols * kChannels * kWidth;
+      __m512i a[4];
+      for (int t = 0; t < 4; ++t) a[t] = _mm512_loadu_si512(p + t * tile_bytes);
+      for (int nibble = 0; nibble < 2; ++nibble) {
+        __m512i b[4];
+        for (int t = 0; t < 4; ++t) b[t] = _mm512_and_si512(nibble ? _mm512_srli_epi16(a[t], 4) : a[t], low);
+        float* out = buf + (s * kStepCols + nibble * kWidth) * kLanes + 16 * half;
+        columns(b[0], b[1], b[2], b[3], [&](int j, __m128i bytes) {
+          vstore(out + j * kLanes, vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), sv, ov));
+        });
+      }
+    }
+  }
+}
+#endif
+
 // The W4A16 product of float32 rows xf [M, K].
 torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operands o, int64_t group_cols) {
   const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), groups = o.groups;
@@ -1340,8 +1386,17 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
+#if defined(FIVEFOLD_INT4_FLOAT_PANELS)
+  if (M >= fpanel::kMinRows) {
+    const int64_t panels = N / fpanel::kLanes;
+    fpanel::run(xp, M, K, panels, yp, N, nullptr, o.bias, [&](int64_t p, int64_t k0, int64_t cols, float* buf) {
+      int4_panel_widen(wp, K, p * fpanel::kLanes, k0, cols, o, group_cols, buf);
+    });
+    n0 = panels * fpanel::kLanes;
+  }
+#endif
 #if defined(FIVEFOLD_INT4_PANELS)
-  if (M >= kFloatPanelMinRows) n0 = run_panels<FloatPanel, true>(FloatPanelRows(xp, M, K), M, K, wp, N, yp, o, group_cols);
+  if (n0 == 0 && M >= kFloatPanelMinRows) n0 = run_panels<FloatPanel, true>(FloatPanelRows(xp, M, K), M, K, wp, N, yp, o, group_cols);
 #endif
   for_each_tile(N - n0, K / 2, K, [&](auto c, int64_t byte0, int64_t n) {
     channels<decltype(c)::value>(xp, M, K, wp + n0 * (K / 2) + byte0, n0 + n, yp, N, o);

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "panels.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -182,64 +183,38 @@ inline void channels(const float* x, int64_t M, int64_t K, const T* wt, int64_t 
 
 // Many rows of int8 weights. The loop above keeps the columns in the vector lanes: every weight
 // vector is widened again for each group of kRows rows (two uops on the FMA ports) and every
-// row x channel ends in a horizontal sum; at 64 rows that ran at ~0.7x float32's GEMM. Here, as a
-// GEMM does it, the channels are in the lanes: a panel of 2 vectors of channels (32 with AVX-512,
-// 16 with AVX2) x kPanelCols columns is transposed and widened to float once, into buf[k][lanes]
-// (16 KB or 8 KB: L1), and every row multiplies it with one broadcast per column:
-//   acc[r][0..1] += x[r][k] * buf[k][...]     (kPanelRows x 2 accumulators, no horizontal sums)
-#if defined(__AVX512F__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define FIVEFOLD_INT8_PANELS 1
-constexpr int kPanelRows = 12;  // 12 x 2 accumulators of 32 registers
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-#define FIVEFOLD_INT8_PANELS 1
-constexpr int kPanelRows = 6;   // 6 x 2 accumulators + 2 weight vectors + 1 broadcast of 16 registers
-#endif
-
-#if defined(FIVEFOLD_INT8_PANELS)
-constexpr int64_t kPanelLanes = 2 * kWidth, kPanelTiles = kPanelLanes / kChannels;
-constexpr int64_t kPanelCols = 128;
-constexpr int64_t kPanelMinRows = 16;  // 8 rows: the loop above is 1.3x faster; 16: this one 1.1x
+// row x channel ends in a horizontal sum; at 64 rows that ran at ~0.7x float32's GEMM. From
+// fpanel::kMinRows rows the weight goes through panels.h's float panels instead: a panel of
+// 2 vectors of channels (8 tiles with AVX-512, 4 with AVX2) transposed and widened to float once
+// per block of columns, then multiplied by every row.
+#if defined(FIVEFOLD_FLOAT_PANELS)
+constexpr int64_t kPanelTiles = fpanel::kLanes / kChannels;
 
 // Columns [s0 W, (s0 + steps) W) of the panel of tiles [t0, t0 + kPanelTiles) (a tile's column step
 // is kChannels channels x W columns), transposed and widened (times their group scales) into
-// buf [steps W][kPanelLanes].
+// buf [steps W][fpanel::kLanes].
 inline void panel_widen(const int8_t* w, int64_t Kp, int64_t t0, int64_t s0, int64_t steps, const Groups& g,
                         float* buf) {
+  constexpr int64_t kLanes = fpanel::kLanes;
   const int64_t stride = kChannels * Kp;  // one tile to the next
 #if defined(__AVX512F__)
-  // On the int8 codes: 4 tiles' steps are 4 x 64 bytes; two vpermt2b and a blend gather 4 columns x
-  // 16 channels (idx_j: output byte q = kk * 16 + t * 4 + c takes byte c * 16 + 4j + kk of tile t,
-  // from the first source for even t, the second for odd t).
-  __m512i idx[4];
-  __mmask64 odd_pair = 0;  // bytes of tiles 2 and 3
-  for (int j = 0; j < 4; ++j) {
-    alignas(64) uint8_t b[64];
-    for (int q = 0; q < 64; ++q) b[q] = static_cast<uint8_t>(((q / 4) % 2) * 64 + (q % 4) * 16 + 4 * j + q / 16);
-    idx[j] = _mm512_load_si512(b);
-  }
-  for (int q = 0; q < 64; ++q)
-    if ((q / 4) % 4 >= 2) odd_pair |= __mmask64{1} << q;
+  static const fpanel::TileColumns columns;
   for (int64_t s = 0; s < steps; ++s)
     for (int h = 0; h < 2; ++h) {
       const int64_t tile = t0 + h * 4;
       const int8_t* p = w + tile * stride + (s0 + s) * kChannels * kWidth;
-      const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + stride);
-      const __m512i a2 = _mm512_loadu_si512(p + 2 * stride), a3 = _mm512_loadu_si512(p + 3 * stride);
       Vec sv = vset1(1.f);
       if (g.any()) {
         alignas(64) float sc[16];
         for (int q = 0; q < 16; ++q) sc[q] = g.at<kChannels>((tile + q / 4) * kChannels, q % 4, (s0 + s) / g.steps);
         sv = vload(sc);
       }
-      for (int j = 0; j < 4; ++j) {
-        const __m512i o = _mm512_mask_blend_epi8(odd_pair, _mm512_permutex2var_epi8(a0, idx[j], a1),
-                                                 _mm512_permutex2var_epi8(a2, idx[j], a3));
-        for (int kk = 0; kk < 4; ++kk) {
-          Vec v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(o, kk)));
-          if (g.any()) v = vmul(v, sv);
-          vstore(buf + (s * kWidth + 4 * j + kk) * kPanelLanes + h * 16, v);
-        }
-      }
+      columns(_mm512_loadu_si512(p), _mm512_loadu_si512(p + stride), _mm512_loadu_si512(p + 2 * stride),
+              _mm512_loadu_si512(p + 3 * stride), [&](int j, __m128i bytes) {
+                Vec v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+                if (g.any()) v = vmul(v, sv);
+                vstore(buf + (s * kWidth + j) * kLanes + h * 16, v);
+              });
     }
 #else
   // AVX2: each channel's 8 columns widened to floats, then two 8 x 8 transposes per step.
@@ -252,70 +227,18 @@ inline void panel_widen(const int8_t* w, int64_t Kp, int64_t t0, int64_t s0, int
         v[j] = vload(p);
         if (g.any()) v[j] = vmul(v[j], vset1(g.at<kChannels>(tile * kChannels, j % 4, (s0 + s) / g.steps)));
       }
-      __m256 t[8], u[8];
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {  // column i and i + 4 of the 8 channels
-        vstore(buf + (s * kWidth + i) * kPanelLanes + h * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        vstore(buf + (s * kWidth + i + 4) * kPanelLanes + h * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-      }
+      fpanel::store_transposed8(v, buf + s * kWidth * kLanes + h * 8, kLanes);
     }
 #endif
-}
-
-// R rows x the panel's channels over `cols` columns of buf, added to (first block: stored in) y;
-// the last block applies the epilogue.
-template <int R>
-inline void panel_rows(const float* x, int64_t K, const float* buf, int64_t cols, float* y, int64_t N, int64_t n,
-                       bool first, bool last, const Epilogue& e) {
-  Vec acc[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) acc[r][v] = first ? vzero() : vload(y + r * N + n + v * kWidth);
-  for (int64_t k = 0; k < cols; ++k) {
-    const Vec w0 = vload(buf + k * kPanelLanes), w1 = vload(buf + k * kPanelLanes + kWidth);
-    for (int r = 0; r < R; ++r) {
-      const Vec xv = vset1(x[r * K + k]);
-      acc[r][0] = vfma(xv, w0, acc[r][0]);
-      acc[r][1] = vfma(xv, w1, acc[r][1]);
-    }
-  }
-  for (int v = 0; v < 2; ++v) {
-    const Vec sc = last && e.scale ? vload(e.scale + n + v * kWidth) : vset1(1.f);
-    const Vec bi = last && e.bias ? vload(e.bias + n + v * kWidth) : vzero();
-    for (int r = 0; r < R; ++r) vstore(y + r * N + n + v * kWidth, last ? vfma(acc[r][v], sc, bi) : acc[r][v]);
-  }
 }
 
 // The whole panels of an int8 weight against all M rows; returns the number of tiles they cover.
 int64_t panel_stream(const float* x, int64_t M, int64_t K, int64_t Kp, const int8_t* w, int64_t N, float* y,
                      const Groups& g, const Epilogue& e) {
-  const int64_t panels = N / kPanelLanes;
-#pragma omp parallel
-  {
-    alignas(64) float buf[kPanelCols * kPanelLanes];
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n = p * kPanelLanes;
-      for (int64_t k0 = 0; k0 < K; k0 += kPanelCols) {
-        const int64_t cols = std::min(kPanelCols, K - k0);
-        panel_widen(w, Kp, p * kPanelTiles, k0 / kWidth, (cols + kWidth - 1) / kWidth, g, buf);
-        const bool first = k0 == 0, last = k0 + kPanelCols >= K;
-        int64_t m = 0;
-        for (; m + kPanelRows <= M; m += kPanelRows)
-          panel_rows<kPanelRows>(x + m * K + k0, K, buf, cols, y + m * N, N, n, first, last, e);
-        for (; m + 2 <= M; m += 2) panel_rows<2>(x + m * K + k0, K, buf, cols, y + m * N, N, n, first, last, e);
-        if (m < M) panel_rows<1>(x + m * K + k0, K, buf, cols, y + m * N, N, n, first, last, e);
-      }
-    }
-  }
+  const int64_t panels = N / fpanel::kLanes;
+  fpanel::run(x, M, K, panels, y, N, e.scale, e.bias, [&](int64_t p, int64_t k0, int64_t cols, float* buf) {
+    panel_widen(w, Kp, p * kPanelTiles, k0 / kWidth, (cols + kWidth - 1) / kWidth, g, buf);
+  });
   return panels * kPanelTiles;
 }
 #endif
@@ -325,9 +248,9 @@ void stream(const float* x, int64_t M, int64_t K, int64_t Kp, const T* w, int64_
             const Epilogue& e) {
   const int64_t num_tiles = N / kChannels;  // then one narrower tile of the last N % kChannels channels
   int64_t t0 = 0;
-#if defined(FIVEFOLD_INT8_PANELS)
+#if defined(FIVEFOLD_FLOAT_PANELS)
   if constexpr (std::is_same_v<T, int8_t>)
-    if (M >= kPanelMinRows) t0 = panel_stream(x, M, K, Kp, w, N, y, g, e);
+    if (M >= fpanel::kMinRows) t0 = panel_stream(x, M, K, Kp, w, N, y, g, e);
 #endif
   // One parallel region per call; threads split the tiles into contiguous ranges.
 #pragma omp parallel for schedule(static) if ((num_tiles - t0) * kChannels * K > (1 << 15))

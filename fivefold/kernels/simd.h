@@ -3,7 +3,7 @@
 // forced). AVX-512: 16 floats per vector; AVX2: 8; otherwise plain C++ (width 1).
 // Loads widen to float in registers: bf16 by a 16-bit shift, int8 by a sign extension, so no
 // bf16 or VNNI instruction is needed and one source serves Zen 3 and Zen 4.
-// Included by linear_stream.cpp and paged_attention.cpp (each its own extension): everything here
+// Included by the kernels (each its own extension), directly or through panels.h: everything here
 // is in an anonymous namespace, private to the including file.
 #pragma once
 

@@ -8,7 +8,9 @@ on saturating operands: all-15 codes times -127/127). Runs on the forced-AVX2 le
 ISA_TESTS), where a step is 16 columns instead of 32 and the integer path is vpmaddubsw's, not
 VNNI's. From 8 rows AVX-512 builds take the panel paths (pairs of tiles, chunks of columns, blocks
 of 64 rows): the row counts 8-70, N = 37 and 44 (an odd tile left over) and K = 2336 (several
-chunks, a partial last span) reach every part of them."""
+chunks, a partial last span) reach every part of them; from 16 rows with float activations
+AVX-512 builds take panels.h's float panels of 32 channels (N = 64, 130: whole panels; 37, 44: one
+panel and a rest of tiles; 3, 6: none), K = 2336 in blocks of 128 columns with groups of 32."""
 
 import pytest
 import torch

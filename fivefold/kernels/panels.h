@@ -1,0 +1,153 @@
+// Float panels: the many-row (16+) product of quantized weights and float32 activations, shared by
+// linear_stream.cpp (int8 weights, W8A16) and int4_linear.cpp (4-bit weights, W4A16). Everything
+// here is in an anonymous namespace, private to the including file (each its own extension).
+//
+// As a GEMM does it, output channels are in the vector lanes: a panel of kLanes = 2 vectors of
+// channels (32 with AVX-512, 16 with AVX2) x kCols columns is dequantized to float once, into
+// buf[k][kLanes] (16 KB or 8 KB: L1), by the caller's `widen`, and every row multiplies it with one
+// broadcast per column:
+//   acc[r][0..1] += x[r][k] * buf[k][...]     (kRows x 2 accumulators, no horizontal sums)
+// Between blocks of kCols columns a panel's partial sums wait in a per-thread buffer whose rows are
+// kLanes floats apart. In y itself (rows N floats apart) they ran 10-13% slower wherever N x 4 bytes
+// is a multiple of 4 KB (SmolLM2's gate_up N = 3072 and its 49,152-row head: every row's lines in
+// one L1 set; Zen 4, 64 rows: 180 GFLOP/s against 204 at N = 3104).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+namespace fpanel {
+
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define FIVEFOLD_FLOAT_PANELS 1
+constexpr int kRows = 12;  // 12 x 2 accumulators of 32 registers
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define FIVEFOLD_FLOAT_PANELS 1
+constexpr int kRows = 6;   // 6 x 2 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+#endif
+
+#if defined(FIVEFOLD_FLOAT_PANELS)
+constexpr int64_t kLanes = 2 * kWidth;
+constexpr int64_t kCols = 128;
+constexpr int64_t kMinRows = 16;  // int8 weights at 8 rows: the row tiles 1.3x faster; 16: the panels 1.1x
+
+#if defined(__AVX512F__)
+// The transpose of 4 tiles' column steps. A step of a tile (64 bytes) holds its 4 channels' bytes of
+// 16 columns, byte 16c + j for channel c, column j (stream_pack's int8 layout; a 4-bit step's low or
+// high nibbles). For each column j, the 16 channels' bytes as one 128-bit vector, tile t's channel c
+// in byte 4t + c: two vpermt2b and a blend gather 4 columns (idx_j: output byte q = kk * 16 + t * 4 + c
+// takes byte c * 16 + 4j + kk of tile t, from the first source for even t, the second for odd t).
+struct TileColumns {
+  __m512i idx[4];
+  __mmask64 odd_pair = 0;  // bytes of tiles 2 and 3
+  TileColumns() {
+    for (int j = 0; j < 4; ++j) {
+      alignas(64) uint8_t b[64];
+      for (int q = 0; q < 64; ++q) b[q] = static_cast<uint8_t>(((q / 4) % 2) * 64 + (q % 4) * 16 + 4 * j + q / 16);
+      idx[j] = _mm512_load_si512(b);
+    }
+    for (int q = 0; q < 64; ++q)
+      if ((q / 4) % 4 >= 2) odd_pair |= __mmask64{1} << q;
+  }
+  // column(j, bytes) for j = 0..15.
+  template <class F>
+  void operator()(__m512i a0, __m512i a1, __m512i a2, __m512i a3, F&& column) const {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i o = _mm512_mask_blend_epi8(odd_pair, _mm512_permutex2var_epi8(a0, idx[j], a1),
+                                               _mm512_permutex2var_epi8(a2, idx[j], a3));
+      column(4 * j + 0, _mm512_extracti32x4_epi32(o, 0));
+      column(4 * j + 1, _mm512_extracti32x4_epi32(o, 1));
+      column(4 * j + 2, _mm512_extracti32x4_epi32(o, 2));
+      column(4 * j + 3, _mm512_extracti32x4_epi32(o, 3));
+    }
+  }
+};
+#else
+// 8 channels' weights of 8 columns (v[c] = channel c) stored column by column: out[i * ld + c].
+inline void store_transposed8(const __m256 v[8], float* out, int64_t ld) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // column i and i + 4 of the 8 channels
+    vstore(out + i * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    vstore(out + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+// R rows of x (row stride K, from the block's first column) x the panel's `cols` columns of buf.
+// The partial sums start at zero (first) or from acc (rows kLanes apart); the last block writes
+// y's channels [n, n + kLanes) (row stride N) as sum x scale + bias, the others write acc.
+template <int R>
+inline void rows(const float* x, int64_t K, const float* buf, int64_t cols, float* acc, float* y, int64_t N,
+                 int64_t n, bool first, bool last, const float* scale, const float* bias) {
+  Vec s[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) s[r][v] = first ? vzero() : vload(acc + r * kLanes + v * kWidth);
+  for (int64_t k = 0; k < cols; ++k) {
+    const Vec w0 = vload(buf + k * kLanes), w1 = vload(buf + k * kLanes + kWidth);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vset1(x[r * K + k]);
+      s[r][0] = vfma(xv, w0, s[r][0]);
+      s[r][1] = vfma(xv, w1, s[r][1]);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v) vstore(acc + r * kLanes + v * kWidth, s[r][v]);
+    return;
+  }
+  for (int v = 0; v < 2; ++v) {
+    const Vec sc = scale ? vload(scale + n + v * kWidth) : vset1(1.f);
+    const Vec bi = bias ? vload(bias + n + v * kWidth) : vzero();
+    for (int r = 0; r < R; ++r) vstore(y + r * N + n + v * kWidth, vfma(s[r][v], sc, bi));
+  }
+}
+
+// x [M, K] times the first `panels` panels of a weight (channels [0, panels x kLanes)) into y [M, N]
+// (plus scale and bias per channel, either null). widen(p, k0, cols, buf) writes panel p's float
+// weights of columns [k0, k0 + cols) into buf[cols][kLanes]. Threads split the panels.
+template <class Widen>
+void run(const float* x, int64_t M, int64_t K, int64_t panels, float* y, int64_t N, const float* scale,
+         const float* bias, const Widen& widen) {
+#pragma omp parallel
+  {
+    alignas(64) float buf[kCols * kLanes];
+    thread_local std::vector<float> kept;  // the partial sums; kept (M x 128 bytes) for the next call
+    if (K > kCols && static_cast<int64_t>(kept.size()) < M * kLanes) kept.resize(M * kLanes);
+    float* const acc = kept.data();
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n = p * kLanes;
+      for (int64_t k0 = 0; k0 < K; k0 += kCols) {
+        const int64_t cols = std::min(kCols, K - k0);
+        widen(p, k0, cols, buf);
+        const bool first = k0 == 0, last = k0 + kCols >= K;
+        int64_t m = 0;
+        for (; m + kRows <= M; m += kRows)
+          rows<kRows>(x + m * K + k0, K, buf, cols, acc + m * kLanes, y + m * N, N, n, first, last, scale, bias);
+        for (; m + 2 <= M; m += 2)
+          rows<2>(x + m * K + k0, K, buf, cols, acc + m * kLanes, y + m * N, N, n, first, last, scale, bias);
+        if (m < M) rows<1>(x + m * K + k0, K, buf, cols, acc + m * kLanes, y + m * N, N, n, first, last, scale, bias);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace fpanel
+}  // namespace
