@@ -26,10 +26,12 @@ integer dot product does 4 products per lane per instruction, and the codes need
 float) and costs a little accuracy (int8 activations per block of 32: benchmarks/int4_quality.py
 measures both).
 
-With float activations, decode batches (up to ``SMALL_BATCH`` rows) run the streaming kernel,
-which reads each weight byte once per call; larger batches (prefill) dequantize a tile of output
-channels at a time (at most ``DEQUANT_TILE`` channels and ``DEQUANT_TILE_BYTES`` of floats: an 8B's
-14336-column rows would otherwise take 0.2 GB per tile) and run a float GEMM. With int8 activations
+With float activations, batches up to ``fivefold.models.layers.quantized_kernel_max_rows(4)``
+rows (every batch with AVX-512 VBMI, 512 with AVX2, else 64) run the kernel, which reads each
+weight byte once per call (from 8-16 rows through panels dequantized into L1 once for all rows);
+larger batches (long prompts) dequantize a tile of output channels at a time (at most
+``DEQUANT_TILE`` channels and ``DEQUANT_TILE_BYTES`` of floats: an 8B's 14336-column rows would
+otherwise take 0.2 GB per tile) and run a float GEMM. With int8 activations
 every batch runs the integer kernel: at prefill sizes it computes 230-360 GFLOP/s (4096 x 4096 to
 14336 x 4096, 65-512 rows, Zen 4), 2-10x the dequantize-then-GEMM path. Without the compiled
 kernels every call dequantizes (the PyTorch path, activations quantized and dequantized first for
@@ -45,13 +47,12 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
-from fivefold.models.layers import packed_matmul
+from fivefold.models.layers import packed_matmul, quantized_kernel_max_rows
 from fivefold.models.int8_primitives import ACT_BLOCK, dequantize_activations, quantize_activations  # noqa: F401 (re-exported)
 
 GROUP_SIZES = (32, 64, 128, 256)
 ACTIVATIONS = ("float", "int8")
 COLUMN_MULTIPLE = 32  # K must be a multiple of it: one byte vector of the kernel on AVX-512
-SMALL_BATCH = 64  # rows up to which the streaming kernel runs
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger batches (a multiple of 4)
 DEQUANT_TILE_BYTES = 16 << 20  # and at most this many bytes of float32 weights per tile
 KERNEL_TILE = 4  # output channels per tile of the kernel's layout (int4_linear.cpp's kChannels)
@@ -304,7 +305,7 @@ class Int4Linear(nn.Module):
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         p = self._prepared
-        if p is not None and (x2.shape[0] <= SMALL_BATCH or self.int8_activations):
+        if p is not None and (x2.shape[0] <= quantized_kernel_max_rows(4) or self.int8_activations):
             y = int4_ops().int4_linear(x2.contiguous(), p["w"], p["scale"], p["offset"], self.bias,
                                        self.int8_activations)
         else:

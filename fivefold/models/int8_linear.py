@@ -9,7 +9,7 @@ CPU (VNNI); elsewhere W8A8 runs our exact ``fivefold::int8_int8_matmul``
 
 | scheme, activations | kernel | 1 row | 8 rows | 32 rows |
 |---|---|---|---|---|
-| W8A16 | ours (``fivefold::int8_weight_linear``) up to 64 rows | 3.8x | 1.2x | 0.5x |
+| W8A16 | ours (``fivefold::int8_weight_linear``), see below | 3.8x | 1.2x | 0.5x |
 | W8A16 | ``aten._weight_int8pack_mm`` (not used) | 0.31x | 0.05x | 0.03x |
 | W8A8 dynamic per-tensor | fbgemm ``quantized.linear_dynamic`` | 8.7x | 4.8x | 2.9x |
 | W8A8 dynamic per-token | ``torch._int_mm`` + rescale | 2.4x | 1.8x | 1.9x |
@@ -17,9 +17,11 @@ CPU (VNNI); elsewhere W8A8 runs our exact ``fivefold::int8_int8_matmul``
 
 In the engine W8A16 decode at batch 8/32 runs 225/267 tok/s with our kernel against
 67/179 with dequantized tiles (the kernel reads each int8 weight row from memory once
-and reuses it from L1 for every activation row). W8A16 beyond 64 rows (prefill) multiplies float activations by weights dequantized a
-tile of 4096 output channels at a time: the weights stay int8 in memory, and the GEMM
-stays a float GEMM. Every int8 product accumulates in int32 inside the kernel.
+and reuses it from L1 for every activation row; from 16 rows it dequantizes panels of
+32 channels x 128 columns into L1 once for all rows, prompts included). Builds without those
+panels (``fivefold.models.layers.quantized_kernel_max_rows``: AVX-512 without VBMI) multiply
+more than 64 rows by weights dequantized a tile of 4096 output channels at a time: the weights
+stay int8 in memory, and the GEMM stays a float GEMM. Every int8 product accumulates in int32 inside the kernel.
 Activations are clipped to the calibrated range before they are quantized (static
 scales saturate by construction; dynamic ones clip when a range was calibrated).
 """
@@ -35,7 +37,7 @@ from torch import nn
 
 from fivefold.kernels import int8_ops
 from fivefold.errors import FivefoldError
-from fivefold.models.layers import packed_matmul
+from fivefold.models.layers import packed_matmul, quantized_kernel_max_rows
 from fivefold.models.int8_backends import (
     EXACT_FALLBACK,
     EXACT_KERNEL,
@@ -61,7 +63,6 @@ WEIGHT_GRANULARITIES = ("per-channel", "per-tensor", "per-group")
 ACTIVATION_MODES = ("dynamic", "static")
 ACTIVATION_GRANULARITIES = ("per-token", "per-tensor")
 
-SMALL_BATCH = 64  # rows up to which W8A16 runs our kernel (every decode batch)
 DEQUANT_TILE = 4096  # output channels dequantized at a time for larger W8A16 batches
 STREAM_TILE = 4  # output channels per tile of fivefold::stream_pack's layout (linear_stream.cpp's kChannels)
 
@@ -375,7 +376,7 @@ class Int8Linear(nn.Module):
             if stream is not None and int4_ops() is not None:  # every batch size: integer dot products
                 return int4_ops().int8_weight_linear_a8(x, stream, p["stream_scale"], self.bias)
             x = dequantize_activations(*quantize_activations(x))  # the kernel's numbers, through float
-        if stream is not None and x.shape[0] <= SMALL_BATCH:
+        if stream is not None and x.shape[0] <= quantized_kernel_max_rows(8):
             return int8_ops().int8_weight_linear(x, stream, p["stream_scale"], self.bias)
         single = self.out_features <= DEQUANT_TILE  # one tile: its product is the output, no copy
         out = None if single else torch.empty(x.shape[0], self.out_features)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 
 import torch
@@ -157,6 +158,36 @@ STREAM_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
 def stream_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which weights of ``dtype`` take the streaming kernel (0: it is not built here)."""
     return STREAM_MAX_ROWS.get(dtype, 0) if stream_ops() is not None else 0
+
+
+# Rows up to which W8A16 and W4A16 layers run our kernels instead of dequantizing tiles of their
+# weights for oneDNN's packed GEMM (packed_matmul). From 16 rows the kernels dequantize a panel of
+# 32 channels (16 with AVX2) x 128 columns into L1 once and multiply it by every row of a block
+# whose activations stay in L2 (fivefold/kernels/panels.h): no float copy of the weight, no reorder.
+# On a 2-core Zen 4, SmolLM2's projections, GFLOP/s of the kernel vs the dequantized tiles, W8A16:
+# 128 rows 188-201 vs 43-103, 512 rows 188-201 vs 93-149, 1024 rows 192-204 vs 164-179, 2048 rows
+# 193-207 vs 180-197 (float32 oneDNN 200-220); W4A16 alike (2048 rows 184-198 vs 183-198). With
+# AVX2 forced, W8A16 at 1024-2048 rows 174-201 vs 148-189; W4A16's AVX2 panels (int4_linear.cpp's
+# FloatPanel, channel x block lanes) lead up to 512 rows and trail from 1024 (105-171 vs 133-184).
+# Builds without the panels (AVX-512 without VBMI) stay at 64 rows: their row tiles widen each
+# weight once per 4 rows.
+NO_ROW_LIMIT = 1 << 62
+ROW_TILES_MAX_ROWS = 64
+AVX2_INT4_MAX_ROWS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_kernel_max_rows(bits: int) -> int:
+    """Rows up to which W8A16 (``bits`` 8) and W4A16 (4) layers run fivefold's kernels; above,
+    dequantized weight tiles through oneDNN (see the measurements above)."""
+    from fivefold.platform import current_platform
+
+    p = current_platform()
+    if p.has("avx512f", "avx512bw", "avx512vbmi"):
+        return NO_ROW_LIMIT
+    if p.has("avx2") and not p.has("avx512f"):
+        return NO_ROW_LIMIT if bits == 8 else AVX2_INT4_MAX_ROWS
+    return ROW_TILES_MAX_ROWS
 
 
 class PackedLinear(nn.Module):

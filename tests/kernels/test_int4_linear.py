@@ -28,6 +28,8 @@ from fivefold.models.int4_linear import (
     quantize_int4,
     unpack_nibbles,
 )
+from fivefold.models import int4_linear
+from fivefold.models.layers import ROW_TILES_MAX_ROWS
 
 
 def _codes(n, k, group, symmetric, gen):
@@ -302,11 +304,12 @@ def test_rtn_error_is_within_half_a_step(symmetric, group):
     assert sqnr_db(w, qz.dequantize()) > (17 if symmetric else 18) - 2 * (group // 64)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 5, 64, 65, 200, 1100])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_int4_module_matches_its_dequantized_weight(rows, symmetric, activations):
-    """The streaming kernel (up to 64 rows) and the dequantized-tile GEMM (above) both compute
+def test_int4_module_matches_its_dequantized_weight(rows, symmetric, activations, monkeypatch):
+    """The kernel (row tiles, panels) and, above 64 rows, the dequantized-tile GEMM (float
+    activations where the build has no panels for them; forced here) both compute
     x @ dequantized(W).T + b (x as int8 activations see it, with int8 activations); the state dict
     is the checkpoint form and loads back exactly."""
     gen = torch.Generator().manual_seed(rows + 7 * symmetric)
@@ -320,6 +323,10 @@ def test_int4_module_matches_its_dequantized_weight(rows, symmetric, activations
     xin = dequantize_activations(*quantize_activations(x)) if activations == "int8" else x
     ref = xin.double() @ module.dequantized_weight().double().t() + linear.bias.double()
     torch.testing.assert_close(module(x).double(), ref, rtol=1e-4, atol=1e-3)
+    if rows > ROW_TILES_MAX_ROWS:
+        with monkeypatch.context() as m:
+            m.setattr(int4_linear, "quantized_kernel_max_rows", lambda bits: ROW_TILES_MAX_ROWS)
+            torch.testing.assert_close(module(x).double(), ref, rtol=1e-4, atol=1e-3)
     state = module.state_dict()
     assert state["qweight"].shape == (4104, 288) and state["scale"].dtype == torch.float16
     assert ("offset" in state) != symmetric

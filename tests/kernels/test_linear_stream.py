@@ -16,7 +16,7 @@ def _weights(dtype, n, k, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 19, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 19, 33, 64, 301])
 @pytest.mark.parametrize("n,k", [(64, 576), (37, 100), (5, 16), (130, 33)])
 def test_stream_linear_matches_float64(dtype, rows, n, k):
     ops = stream_ops()

@@ -17,6 +17,8 @@ from fivefold.models.assemble import ServedForm, assemble
 from fivefold.models.forward import prefill_logits
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from fivefold.models.int8_linear import GroupQuantized, Int8Linear
+from fivefold.models import int8_linear
+from fivefold.models.layers import ROW_TILES_MAX_ROWS
 from fivefold.models.layers import PackedLinear, resident_weight_bytes
 from fivefold.models.loader import LoadedModel
 from tests.conftest import save_random_hf_model
@@ -84,7 +86,7 @@ def _q8_0_model(tmp_path) -> LoadedModel:
     return LoadedModel(model, load_hf_tokenizer(tmp_path), config, path, "gguf", str(path))
 
 
-def test_gguf_q8_0_stays_int8_and_matches_the_dequantized_model(tmp_path):
+def test_gguf_q8_0_stays_int8_and_matches_the_dequantized_model(tmp_path, monkeypatch):
     served = _q8_0_model(tmp_path)
     int8 = {n: m for n, m in served.model.named_modules() if isinstance(m, Int8Linear)}
     assert set(int8) == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
@@ -104,14 +106,19 @@ def test_gguf_q8_0_stays_int8_and_matches_the_dequantized_model(tmp_path):
     with torch.inference_mode():
         ours, ref = prefill_logits(served.model, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
-    # each layer alone, on the streaming kernel (<= 64 rows) and the dequantized tiles (more)
+    # each layer alone, on the kernel (row tiles, panels) and, above 64 rows, the dequantized tiles
+    # (builds without the panels; forced here)
     for name, module in int8.items():
         dense = reference.get_submodule(name)
-        for rows in (1, 3, 8, 65):
+        for rows in (1, 3, 8, 65, 1100):
             x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
             with torch.inference_mode():
                 want = nn.functional.linear(x.double(), dense.weight.double()).float()
                 torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+                if rows > ROW_TILES_MAX_ROWS:
+                    with monkeypatch.context() as m:
+                        m.setattr(int8_linear, "quantized_kernel_max_rows", lambda bits: ROW_TILES_MAX_ROWS)
+                        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_q8_0_model_writes_and_reloads_through_fivefold_quantize_format(tmp_path):

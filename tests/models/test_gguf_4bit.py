@@ -22,6 +22,8 @@ from fivefold.models.assemble import ServedForm, assemble
 from fivefold.models.forward import prefill_logits
 from fivefold.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from fivefold.models.int4_linear import Int4Linear, Int4Quantized, dequantize_activations, quantize_activations
+from fivefold.models import int4_linear
+from fivefold.models.layers import ROW_TILES_MAX_ROWS
 from fivefold.models.int8_linear import Int8Linear, dense_weight
 from fivefold.models.layers import HeadRowsEmbedding, SplitLinear, resident_weight_bytes
 from fivefold.models.registry import BUILTIN_MODELS, DEFAULT_LLM
@@ -97,7 +99,7 @@ def test_q4_blocks_are_kept_as_codes_that_dequantize_exactly(qtype, tmp_path):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp_path):
+def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, dict.fromkeys(PROJECTIONS, qtype))
     reader = open_gguf(path)
@@ -114,13 +116,18 @@ def test_4bit_gguf_model_computes_what_its_dequantized_model_computes(qtype, tmp
     for name, module in int4.items():
         dense = reference.model.get_submodule(name)
         assert torch.equal(module.dequantized_weight(), dense.weight.float()), name
-        for rows in (1, 3, 8, 65):
+        for rows in (1, 3, 8, 65, 1100):
             x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
             with torch.inference_mode():
                 for activations, xin in (("int8", fake_int8(x)), ("float", x)):
                     module.set_activations_(activations)
                     want = nn.functional.linear(xin.double(), dense.weight.double()).float()
                     torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+                    if rows > ROW_TILES_MAX_ROWS:  # the dequantized tiles (builds without panels; forced)
+                        with monkeypatch.context() as m:
+                            m.setattr(int4_linear, "quantized_kernel_max_rows", lambda bits: ROW_TILES_MAX_ROWS)
+                            torch.testing.assert_close(module(x), want, rtol=1e-4,
+                                                       atol=1e-4 * float(want.abs().max()))
         module.set_activations_("int8")
     with torch.inference_mode():
         with int8_inputs(reference.model, int8_input_layers(served.model)):
