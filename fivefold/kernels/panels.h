@@ -118,9 +118,17 @@ inline void rows(const float* x, int64_t K, const float* buf, int64_t cols, floa
   }
 }
 
-// Rows per block of x that every panel passes over before the next block: its columns stay in L2
-// (a K = 576 block of 160 rows is 360 KB; Zen 3 has 512 KB of L2 per core, Zen 4 1 MB).
-constexpr int64_t kBlockBytes = 384 << 10;
+// Rows per block of x that every panel passes over before the next block, so that the block's
+// activations stay in L2 (Zen 3 has 512 KB per core, Zen 4 1 MB): about kBlockBytes of them, at
+// least kMinBlockRows (a decode batch stays one block: a block of a few rows would widen every
+// panel again for them), and blocks of equal size.
+constexpr int64_t kBlockBytes = 512 << 10, kMinBlockRows = 64;
+
+inline int64_t block_rows(int64_t M, int64_t K) {
+  const int64_t most = std::max(kMinBlockRows, kBlockBytes / (4 * K));
+  const int64_t blocks = (M + most - 1) / most;
+  return std::min(M, ((M + blocks - 1) / blocks + kRows - 1) / kRows * kRows);
+}
 
 // x [M, K] times the first `panels` panels of a weight (channels [0, panels x kLanes)) into y [M, N]
 // (plus scale and bias per channel, either null). widen(p, k0, cols, buf) writes panel p's float
@@ -129,15 +137,15 @@ constexpr int64_t kBlockBytes = 384 << 10;
 template <class Widen>
 void run(const float* x, int64_t M, int64_t K, int64_t panels, float* y, int64_t N, const float* scale,
          const float* bias, const Widen& widen) {
-  const int64_t block_rows = std::min(M, std::max<int64_t>(kRows, kBlockBytes / (4 * K) / kRows * kRows));
+  const int64_t rows_per_block = block_rows(M, K);
 #pragma omp parallel
   {
     alignas(64) float buf[kCols * kLanes];
     thread_local std::vector<float> kept;  // the partial sums; kept (rows x 128 bytes) for the next call
-    if (K > kCols && static_cast<int64_t>(kept.size()) < block_rows * kLanes) kept.resize(block_rows * kLanes);
+    if (K > kCols && static_cast<int64_t>(kept.size()) < rows_per_block * kLanes) kept.resize(rows_per_block * kLanes);
     float* const acc = kept.data();
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m1 = std::min(M, m0 + block_rows);
+    for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
+      const int64_t m1 = std::min(M, m0 + rows_per_block);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < panels; ++p) {
         const int64_t n = p * kLanes;
