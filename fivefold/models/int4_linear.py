@@ -47,7 +47,7 @@ from torch import nn
 
 from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
-from fivefold.models.layers import packed_matmul, quantized_kernel_max_rows
+from fivefold.models.layers import quantized_kernel_max_rows, tiled_matmul
 from fivefold.models.int8_primitives import ACT_BLOCK, dequantize_activations, quantize_activations  # noqa: F401 (re-exported)
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -318,21 +318,15 @@ class Int4Linear(nn.Module):
         """Prefill: dequantize a tile of output channels at a time (the weights stay 4-bit)."""
         p, g = self._prepared, self.format.group_size
         tile = max(KERNEL_TILE, min(DEQUANT_TILE, DEQUANT_TILE_BYTES // (4 * self.in_features)) // KERNEL_TILE * KERNEL_TILE)
-        single = tile >= self.out_features  # one tile: its product is the output, no copy
-        out = None if single else torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        for n0 in range(0, self.out_features, tile):  # whole tiles of the layout: a slice stays in it
-            n1 = min(n0 + tile, self.out_features)
+        def weight_rows(n0: int, n1: int) -> torch.Tensor:  # whole tiles of the layout: a slice stays in it
             if p is None:
                 q = unpack_nibbles(self.qweight[n0:n1])
                 scale, offset = self.scale[n0:n1], None if self.offset is None else self.offset[n0:n1]
-                w = dequantize_int4(q, scale, offset, g)
-            else:
-                w = int4_ops().int4_dequantize(p["w"][n0:n1], p["scale"][n0:n1],
-                                               None if p["offset"] is None else p["offset"][n0:n1])
-            if single:
-                out = packed_matmul(x, w.to(x.dtype))
-            else:
-                out[:, n0:n1] = packed_matmul(x, w.to(x.dtype))
+                return dequantize_int4(q, scale, offset, g).to(x.dtype)
+            return int4_ops().int4_dequantize(p["w"][n0:n1], p["scale"][n0:n1],
+                                              None if p["offset"] is None else p["offset"][n0:n1]).to(x.dtype)
+
+        out = tiled_matmul(x, self.out_features, tile, weight_rows)
         return out + self.bias.to(x.dtype) if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -37,7 +37,7 @@ from torch import nn
 
 from fivefold.kernels import int8_ops
 from fivefold.errors import FivefoldError
-from fivefold.models.layers import packed_matmul, quantized_kernel_max_rows
+from fivefold.models.layers import quantized_kernel_max_rows, tiled_matmul
 from fivefold.models.int8_backends import (
     EXACT_FALLBACK,
     EXACT_KERNEL,
@@ -378,18 +378,14 @@ class Int8Linear(nn.Module):
             x = dequantize_activations(*quantize_activations(x))  # the kernel's numbers, through float
         if stream is not None and x.shape[0] <= quantized_kernel_max_rows(8):
             return int8_ops().int8_weight_linear(x, stream, p["stream_scale"], self.bias)
-        single = self.out_features <= DEQUANT_TILE  # one tile: its product is the output, no copy
-        out = None if single else torch.empty(x.shape[0], self.out_features)
-        for n0 in range(0, self.out_features, DEQUANT_TILE):  # a multiple of the kernel's 4-channel tiles
-            if stream is not None:
-                q = int8_ops().stream_unpack(stream[n0:n0 + DEQUANT_TILE])[:, :self.in_features]
-            else:
-                q = self.weight[n0:n0 + DEQUANT_TILE]
-            w = dequantize_weight(q, self._scale_rows(n0, n0 + DEQUANT_TILE))
-            if single:
-                out = packed_matmul(x, w)
-            else:
-                out[:, n0:n0 + DEQUANT_TILE] = packed_matmul(x, w)
+
+        def weight_rows(n0: int, n1: int) -> torch.Tensor:  # DEQUANT_TILE: whole 4-channel tiles of the layout
+            if stream is None:
+                return dequantize_weight(self.weight[n0:n1], self._scale_rows(n0, n1))
+            q = int8_ops().stream_unpack(stream[n0:n1])[:, :self.in_features]
+            return dequantize_weight(q, self._scale_rows(n0, n1))
+
+        out = tiled_matmul(x, self.out_features, DEQUANT_TILE, weight_rows)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -170,7 +170,8 @@ def stream_max_rows(dtype: torch.dtype) -> int:
 # AVX2 forced, W8A16 at 1024-2048 rows 174-201 vs 148-189; W4A16's AVX2 panels (int4_linear.cpp's
 # FloatPanel, channel x block lanes) lead up to 512 rows and trail from 1024 (105-171 vs 133-184).
 # Builds without the panels (AVX-512 without VBMI) stay at 64 rows: their row tiles widen each
-# weight once per 4 rows.
+# weight once per 4 rows. The ISA test below mirrors panels.h's FIVEFOLD_FLOAT_PANELS (the
+# extension is compiled for this platform's flags, forcing included).
 NO_ROW_LIMIT = 1 << 62
 ROW_TILES_MAX_ROWS = 64
 AVX2_INT4_MAX_ROWS = 512
@@ -301,6 +302,19 @@ def packed_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dtype == w.dtype and PackedLinear.can_pack(w.dtype):
         return PackedLinear.from_weight(w)(x)
     return x @ w.t()
+
+
+def tiled_matmul(x: torch.Tensor, out_features: int, tile: int, weight_rows) -> torch.Tensor:
+    """x [M, K] @ W.t() for a quantized W of ``out_features`` rows, dequantized ``tile`` rows at a
+    time by ``weight_rows(n0, n1)`` (float rows [n0, n1) in x's dtype), each tile through
+    :func:`packed_matmul`; a single tile's product is the output (no copy)."""
+    if tile >= out_features:
+        return packed_matmul(x, weight_rows(0, out_features))
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for n0 in range(0, out_features, tile):
+        n1 = min(n0 + tile, out_features)
+        out[:, n0:n1] = packed_matmul(x, weight_rows(n0, n1))
+    return out
 
 
 def gather_tile_rows(packed: torch.Tensor, ids: torch.Tensor, tile: int, unpack) -> torch.Tensor:
