@@ -18,7 +18,7 @@
 //
 // From 8 rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
 // below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes); with
-// AVX-512, float activations from 16 rows take panels.h's (channels in the lanes, as W8A16's). 2-7 rows:
+// AVX-512 (VBMI), float activations take panels.h's instead (channels in the lanes, as W8A16's). 2-7 rows:
 // each byte vector becomes two vectors of dequantized float weights, which every row then
 // multiplies: with AVX-512, the 16 values scale * q + offset of a channel's group sit in one
 // register and a permute looks the codes up in it (a zero extension, a shift and two permutes per
@@ -558,7 +558,7 @@ constexpr int64_t kSpanBlocks = kWidth / 4, kSpanCols = kSpanBlocks * kBlock, kS
 constexpr int kPanelTiles = 2;
 constexpr int64_t kPanelRowBlock = 64;  // rows per panel build (and per accumulator buffer)
 #if defined(__AVX512F__)
-constexpr int64_t kFloatPanelMinRows = 8;  // 8 rows: as fast as tile(); 16: 1.25x, 64: 1.65x
+constexpr int64_t kFloatPanelMinRows = 8;  // FloatPanel at 8 rows: as fast as tile(); 16: 1.25x, 64: 1.65x
 inline __m512i bcast4(const int32_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Vec bcast_span(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
 inline IVec ivset1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -1304,14 +1304,28 @@ void for_each_tile(int64_t N, int64_t channel_bytes, int64_t K, Body&& body) {
 
 #if defined(FIVEFOLD_FLOAT_PANELS) && defined(__AVX512F__)
 #define FIVEFOLD_INT4_FLOAT_PANELS 1
-// W4A16 from fpanel::kMinRows rows with AVX-512: panels.h's float panels. Columns [k0, k0 + cols)
+// W4A16 from kFloatPanelMinRows rows with AVX-512: panels.h's float panels. Columns [k0, k0 + cols)
 // of the channels [n0, n0 + fpanel::kLanes) (whole tiles) as floats scale * q + offset into
-// buf [cols][fpanel::kLanes]: a step's low nibbles are its first W columns and its high nibbles the
-// next W, each laid out as an int8 step is (byte W c + j: channel c, column j), so they take the
-// int8 weights' transposes. A step lies in one group. Zen 4, in cache, against FloatPanel below:
-// 64 rows 1.1-1.2x, 16 rows 1.1-1.4x (8 rows 0.7-1.0x: the threshold stays 16). With AVX2 the
-// widening (8 x 8 transposes of floats) made them 0.75-0.95x FloatPanel at 8-16 rows and no faster
-// at 64, so AVX2 keeps FloatPanel.
+// buf [cols][fpanel::kLanes]: a step's low and high nibbles are its first W columns and its next W,
+// each laid out as an int8 step is (byte W c + j: channel c, column j), so they take the int8
+// weights' transposes (TileColumns). A step lies in one group. Zen 4, best of 7 against FloatPanel
+// below: SmolLM2's 3072 x 576 in groups of 32 at 8 and 12 rows 1.1-1.3x; Llama-3-8B's 6144 x 4096
+// in groups of 128 at 8 rows alike, 10-14 rows 1.03-1.1x, 16 rows 1.1x. With AVX2 the widening
+// (8 x 8 transposes of floats) made them 0.75-0.95x FloatPanel at 8-16 rows and no faster at 64,
+// so AVX2 keeps FloatPanel.
+// The vpermt2b index that turns column kk of a quad (its 128-bit lane kk) into float bits: lane c
+// (channel c) takes byte 16 kk + c as its byte 2, and bytes 0, 1 and 3 of the second source.
+inline __m512i place_bytes(int kk) {
+  alignas(64) uint8_t b[64];
+  for (int c = 0; c < 16; ++c) {
+    b[4 * c + 0] = 64 + 0;
+    b[4 * c + 1] = 64 + 1;
+    b[4 * c + 2] = static_cast<uint8_t>(16 * kk + c);
+    b[4 * c + 3] = 64 + 3;
+  }
+  return _mm512_load_si512(b);
+}
+
 inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0, int64_t cols, const Operands& o,
                              int64_t group_cols, float* buf) {
   constexpr int64_t kLanes = fpanel::kLanes;
@@ -1323,22 +1337,35 @@ inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0
     for (int t = 0; t < 4; ++t) std::memcpy(&h[t], base + (n + kChannels * t) * groups + grp * kChannels, 8);
     return _mm512_cvtph_ps(_mm256_setr_epi64x(h[0], h[1], h[2], h[3]));
   };
-  const __m512i low = _mm512_set1_epi8(15);
+  // Each code q goes straight into the mantissa of a float: bits 19-22 under the exponent of 1.0
+  // make exactly 1 + q / 16, so w = s q + o = (16 s) f + (o - 16 s), one FMA. The codes are shifted
+  // to bits 3-6 of their byte with bit 7 set (byte 2 of 0x3F800000 is 0x80), and one vpermt2b per
+  // column puts the 16 channels' bytes in byte 2 of their lanes, between bytes 0, 0 and 0x3F of
+  // `one`: no extract, zero extension or conversion per column. The constant o - 16 s is rounded
+  // once: an error of at most 2^-24 |o - 16 s| per weight, float32's own rounding of w times a few.
+  static const __m512i place[4] = {place_bytes(0), place_bytes(1), place_bytes(2), place_bytes(3)};
+  const __m512i one = _mm512_set1_epi32(0x3F800000), mask = _mm512_set1_epi8(0x78), top = _mm512_set1_epi8(-128);
   for (int64_t s = 0; s < cols / kStepCols; ++s) {
     const int64_t col = k0 + s * kStepCols, grp = col / group_cols;
     for (int half = 0; half < 2; ++half) {
       const int64_t n = n0 + 16 * half;
       const Vec sv = four_tiles(o.scale, n, grp);
       const Vec ov = o.offset ? four_tiles(o.offset, n, grp) : vmul(sv, vset1(-8.f));
+      const Vec s16 = vmul(sv, vset1(16.f)), c16 = _mm512_sub_ps(ov, s16);
       const uint8_t* p = w + n * channel_bytes + col / kStepCols * kChannels * kWidth;
       __m512i a[4];
       for (int t = 0; t < 4; ++t) a[t] = _mm512_loadu_si512(p + t * tile_bytes);
       for (int nibble = 0; nibble < 2; ++nibble) {
-        __m512i b[4];
-        for (int t = 0; t < 4; ++t) b[t] = _mm512_and_si512(nibble ? _mm512_srli_epi16(a[t], 4) : a[t], low);
+        __m512i b[4];  // (q << 3) | 0x80 in every byte: 16-bit shifts, then the mask drops the neighbours' bits
+        for (int t = 0; t < 4; ++t)
+          b[t] = _mm512_ternarylogic_epi32(nibble ? _mm512_srli_epi16(a[t], 1) : _mm512_slli_epi16(a[t], 3), mask,
+                                           top, 0xEA);  // (A & B) | C
         float* out = buf + (s * kStepCols + nibble * kWidth) * kLanes + 16 * half;
-        columns(b[0], b[1], b[2], b[3], [&](int j, __m128i bytes) {
-          vstore(out + j * kLanes, vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), sv, ov));
+        columns.quads(b[0], b[1], b[2], b[3], [&](int j, __m512i bytes) {
+          for (int kk = 0; kk < 4; ++kk) {
+            const Vec f = _mm512_castsi512_ps(_mm512_permutex2var_epi8(bytes, place[kk], one));
+            vstore(out + (4 * j + kk) * kLanes, vfma(f, s16, c16));
+          }
         });
       }
     }
@@ -1387,7 +1414,7 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
 #if defined(FIVEFOLD_INT4_FLOAT_PANELS)
-  if (M >= fpanel::kMinRows) {
+  if (M >= kFloatPanelMinRows) {
     const int64_t panels = N / fpanel::kLanes;
     fpanel::run(xp, M, K, panels, yp, N, nullptr, o.bias, [&](int64_t p, int64_t k0, int64_t cols, float* buf) {
       int4_panel_widen(wp, K, p * fpanel::kLanes, k0, cols, o, group_cols, buf);

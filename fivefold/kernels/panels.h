@@ -55,17 +55,22 @@ struct TileColumns {
     for (int q = 0; q < 64; ++q)
       if ((q / 4) % 4 >= 2) odd_pair |= __mmask64{1} << q;
   }
+  // quad(j, bytes) for j = 0..3: 128-bit lane kk of bytes holds column 4j + kk (byte 4t + c as above).
+  template <class F>
+  void quads(__m512i a0, __m512i a1, __m512i a2, __m512i a3, F&& quad) const {
+    for (int j = 0; j < 4; ++j)
+      quad(j, _mm512_mask_blend_epi8(odd_pair, _mm512_permutex2var_epi8(a0, idx[j], a1),
+                                     _mm512_permutex2var_epi8(a2, idx[j], a3)));
+  }
   // column(j, bytes) for j = 0..15.
   template <class F>
   void operator()(__m512i a0, __m512i a1, __m512i a2, __m512i a3, F&& column) const {
-    for (int j = 0; j < 4; ++j) {
-      const __m512i o = _mm512_mask_blend_epi8(odd_pair, _mm512_permutex2var_epi8(a0, idx[j], a1),
-                                               _mm512_permutex2var_epi8(a2, idx[j], a3));
+    quads(a0, a1, a2, a3, [&](int j, __m512i o) {
       column(4 * j + 0, _mm512_extracti32x4_epi32(o, 0));
       column(4 * j + 1, _mm512_extracti32x4_epi32(o, 1));
       column(4 * j + 2, _mm512_extracti32x4_epi32(o, 2));
       column(4 * j + 3, _mm512_extracti32x4_epi32(o, 3));
-    }
+    });
   }
 };
 #else
@@ -89,19 +94,20 @@ inline void store_transposed8(const __m256 v[8], float* out, int64_t ld) {
 }
 #endif
 
-// R rows of x (row stride K, from the block's first column) x the panel's `cols` columns of buf.
-// The partial sums start at zero (first) or from acc (rows kLanes apart); the last block writes
-// y's channels [n, n + kLanes) (row stride N) as sum x scale + bias, the others write acc.
+// R rows x the panel's `cols` columns of buf: xp holds the rows' activations column by column
+// (xp[k R + r], see pack_rows), so one pointer serves every row. The partial sums start at zero
+// (first) or from acc (rows kLanes apart); the last block writes y's channels [n, n + kLanes)
+// (row stride N) as sum x scale + bias, the others write acc.
 template <int R>
-inline void rows(const float* x, int64_t K, const float* buf, int64_t cols, float* acc, float* y, int64_t N,
-                 int64_t n, bool first, bool last, const float* scale, const float* bias) {
+inline void rows(const float* xp, const float* buf, int64_t cols, float* acc, float* y, int64_t N, int64_t n,
+                 bool first, bool last, const float* scale, const float* bias) {
   Vec s[R][2];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2; ++v) s[r][v] = first ? vzero() : vload(acc + r * kLanes + v * kWidth);
-  for (int64_t k = 0; k < cols; ++k) {
+  for (int64_t k = 0; k < cols; ++k, xp += R) {
     const Vec w0 = vload(buf + k * kLanes), w1 = vload(buf + k * kLanes + kWidth);
     for (int r = 0; r < R; ++r) {
-      const Vec xv = vset1(x[r * K + k]);
+      const Vec xv = vset1(xp[r]);
       s[r][0] = vfma(xv, w0, s[r][0]);
       s[r][1] = vfma(xv, w1, s[r][1]);
     }
@@ -118,6 +124,15 @@ inline void rows(const float* x, int64_t K, const float* buf, int64_t cols, floa
   }
 }
 
+// rows<R> for R = r (1..kRows), chosen at run time.
+template <int R = kRows>
+inline void rows_of(int64_t r, const float* xp, const float* buf, int64_t cols, float* acc, float* y, int64_t N,
+                    int64_t n, bool first, bool last, const float* scale, const float* bias) {
+  if constexpr (R > 1)
+    if (r < R) return rows_of<R - 1>(r, xp, buf, cols, acc, y, N, n, first, last, scale, bias);
+  rows<R>(xp, buf, cols, acc, y, N, n, first, last, scale, bias);
+}
+
 // Rows per block of x that every panel passes over before the next block, so that the block's
 // activations stay in L2 (Zen 3 has 512 KB per core, Zen 4 1 MB): about kBlockBytes of them, at
 // least kMinBlockRows (a decode batch stays one block: a block of a few rows would widen every
@@ -130,14 +145,45 @@ inline int64_t block_rows(int64_t M, int64_t K) {
   return std::min(M, ((M + blocks - 1) / blocks + kRows - 1) / kRows * kRows);
 }
 
+// A block's rows go in `groups` groups of equal size, at most kRows each (16 rows: 8 + 8; as 12 + 4
+// they ran 0.96x, 28 rows as 12 + 12 + 4 0.94x: W8A16, 6144 x 4096, Zen 4); group i starts at row
+// first_row(count, groups, i) of the block.
+inline int64_t first_row(int64_t count, int64_t groups, int64_t i) {
+  return i * (count / groups) + std::min(i, count % groups);
+}
+
+// Rows [m0, m0 + count) of x [M, K] into xp, group by group, each group column by column: group i's
+// rows r0..r0 + R - 1 at xp + r0 K as [K][R]. Read in place, a group's rows are K floats apart; at
+// K = 4096 or 14336 (a multiple of 4 KB) one column block's lines of all of them fall in the same L1
+// sets, more rows than it has ways, and the broadcasts came from L2. Column by column, one pointer
+// also serves all R rows: in place, the R row pointers did not fit the general registers once inlined
+// (spilled to vector registers, a vmovq per broadcast). W8A16 on Llama-3-8B's matrices (Zen 4):
+// 16 rows 150-153 -> 171-177 GFLOP/s, 64 rows 181 -> 203-209; with AVX2 forced 137-139 -> 151-156
+// and 178 -> 188-195 (SmolLM2's K = 1536, no aliasing there: 0.97-0.98x). Threads split the columns.
+inline void pack_rows(const float* x, int64_t K, int64_t m0, int64_t count, int64_t groups, float* xp) {
+#pragma omp for schedule(static)
+  for (int64_t k0 = 0; k0 < K; k0 += kCols)
+    for (int64_t i = 0; i < groups; ++i) {
+      const int64_t r0 = first_row(count, groups, i), R = first_row(count, groups, i + 1) - r0;
+      const int64_t k1 = std::min(K, k0 + kCols);
+      const float* src = x + (m0 + r0) * K;
+      float* dst = xp + r0 * K + k0 * R;
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t r = 0; r < R; ++r) *dst++ = src[r * K + k];
+    }
+}
+
 // x [M, K] times the first `panels` panels of a weight (channels [0, panels x kLanes)) into y [M, N]
 // (plus scale and bias per channel, either null). widen(p, k0, cols, buf) writes panel p's float
-// weights of columns [k0, k0 + cols) into buf[cols][kLanes]. Threads split the panels of each block
-// of rows.
+// weights of columns [k0, k0 + cols) into buf[cols][kLanes]. Per block of rows, the threads pack the
+// rows (pack_rows), then split the panels.
 template <class Widen>
 void run(const float* x, int64_t M, int64_t K, int64_t panels, float* y, int64_t N, const float* scale,
          const float* bias, const Widen& widen) {
   const int64_t rows_per_block = block_rows(M, K);
+  thread_local std::vector<float> packed;  // the caller's: one block of rows, kept for the next call
+  if (static_cast<int64_t>(packed.size()) < rows_per_block * K) packed.resize(rows_per_block * K);
+  float* const xp = packed.data();
 #pragma omp parallel
   {
     alignas(64) float buf[kCols * kLanes];
@@ -145,7 +191,8 @@ void run(const float* x, int64_t M, int64_t K, int64_t panels, float* y, int64_t
     if (K > kCols && static_cast<int64_t>(kept.size()) < rows_per_block * kLanes) kept.resize(rows_per_block * kLanes);
     float* const acc = kept.data();
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
-      const int64_t m1 = std::min(M, m0 + rows_per_block);
+      const int64_t count = std::min(M, m0 + rows_per_block) - m0, groups = (count + kRows - 1) / kRows;
+      pack_rows(x, K, m0, count, groups, xp);  // ends in a barrier (omp for)
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < panels; ++p) {
         const int64_t n = p * kLanes;
@@ -153,13 +200,11 @@ void run(const float* x, int64_t M, int64_t K, int64_t panels, float* y, int64_t
           const int64_t cols = std::min(kCols, K - k0);
           widen(p, k0, cols, buf);
           const bool first = k0 == 0, last = k0 + kCols >= K;
-          int64_t m = m0;
-          const auto at = [&](int64_t row) { return acc + (row - m0) * kLanes; };
-          for (; m + kRows <= m1; m += kRows)
-            rows<kRows>(x + m * K + k0, K, buf, cols, at(m), y + m * N, N, n, first, last, scale, bias);
-          for (; m + 2 <= m1; m += 2)
-            rows<2>(x + m * K + k0, K, buf, cols, at(m), y + m * N, N, n, first, last, scale, bias);
-          if (m < m1) rows<1>(x + m * K + k0, K, buf, cols, at(m), y + m * N, N, n, first, last, scale, bias);
+          for (int64_t i = 0; i < groups; ++i) {
+            const int64_t r0 = first_row(count, groups, i), R = first_row(count, groups, i + 1) - r0;
+            rows_of(R, xp + r0 * K + k0 * R, buf, cols, acc + r0 * kLanes, y + (m0 + r0) * N, N, n, first, last,
+                    scale, bias);
+          }
         }
       }
     }
