@@ -326,28 +326,32 @@ inline void tile(const float* x, int64_t K, const uint8_t* wt, int64_t st, int64
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  // One loop over the column steps, the group's tables refreshed where a group starts. Nested (a
+  // loop over groups around one over their steps), GCC kept the accumulators in registers but
+  // stored all R x C of them to the stack on every step. W4A16 on 6144 x 4096 in groups of 128, best of 7:
+  // Zen 4 at 4 rows 142 -> 191 GFLOP/s, 6 rows 139 -> 161; AVX2 forced, 2-6 rows 1.04-1.05x.
   const uint8_t* p = wt;
-  int64_t s = 0;  // column step
-  for (int64_t grp = 0; grp < o.groups; ++grp) {
-    float sc[C], of[C];
-    group_params<C>(o, st, grp, sc, of);
-    Dequant d[C];
-    for (int c = 0; c < C; ++c) d[c] = Dequant(sc[c], of[c]);
-    const int64_t end = std::min(s + o.steps, o.total_steps);
-    for (; s < end; ++s, p += C * kWidth) {
+  Dequant d[C];
+  for (int64_t s = 0, grp = 0, next = 0; s < o.total_steps; ++s, p += C * kWidth) {
+    if (s == next) {
+      float sc[C], of[C];
+      group_params<C>(o, st, grp, sc, of);
+      for (int c = 0; c < C; ++c) d[c] = Dequant(sc[c], of[c]);
+      ++grp;
+      next += o.steps;
+    }
 #if defined(__AVX2__)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
 #endif
-      Vec xlo[R], xhi[R];
-      for (int r = 0; r < R; ++r) {
-        xlo[r] = vload(x + r * K + s * kStepCols);
-        xhi[r] = vload(x + r * K + s * kStepCols + kWidth);
-      }
-      for (int c = 0; c < C; ++c) {
-        Vec lo, hi;
-        dequant(p + c * kWidth, d[c], lo, hi);
-        for (int r = 0; r < R; ++r) acc[r][c] = vfma(xhi[r], hi, vfma(xlo[r], lo, acc[r][c]));
-      }
+    Vec xlo[R], xhi[R];
+    for (int r = 0; r < R; ++r) {
+      xlo[r] = vload(x + r * K + s * kStepCols);
+      xhi[r] = vload(x + r * K + s * kStepCols + kWidth);
+    }
+    for (int c = 0; c < C; ++c) {
+      Vec lo, hi;
+      dequant(p + c * kWidth, d[c], lo, hi);
+      for (int r = 0; r < R; ++r) acc[r][c] = vfma(xhi[r], hi, vfma(xlo[r], lo, acc[r][c]));
     }
   }
   for (int r = 0; r < R; ++r)
