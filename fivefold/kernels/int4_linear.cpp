@@ -18,7 +18,8 @@
 //
 // From 8 rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
 // below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes); with
-// AVX-512 (VBMI), float activations take panels.h's instead (channels in the lanes, as W8A16's). 2-7 rows:
+// AVX-512 (VBMI), float activations take panels.h's instead (channels in the lanes, as W8A16's),
+// from 8 rows where K < 2048 and from 20 where K is larger (float_panel_min_rows). Below that:
 // each byte vector becomes two vectors of dequantized float weights, which every row then
 // multiplies: with AVX-512, the 16 values scale * q + offset of a channel's group sit in one
 // register and a permute looks the codes up in it (a zero extension, a shift and two permutes per
@@ -26,9 +27,9 @@
 // converted to floats (a zero extension, an AND, a shift, two conversions), the row's partial sums
 // per group are scaled into the accumulators once per group, and the offsets enter as
 // offset * sum_g(x), with the row's group sums of x computed once per call: fewer operations per
-// weight where a group's table would serve one row only. With AVX2 and AVX-512 the rows below the
-// row groups (1 row and odd remainders on AVX2; 1-3 rows and the remainder of 5-7 on AVX-512) take
-// tile_row_split instead: each group of a row as exact 24-bit integers in two 16-bit halves, codes
+// weight where a group's table would serve one row only. With AVX2 and AVX-512 a row left over by
+// the row tiles (1 row, and odd counts on AVX2; 4k + 1 rows on AVX-512, where 2 or 3 rows left take
+// one narrower tile) takes tile_row_split instead: each group of a row as exact 24-bit integers in two 16-bit halves, codes
 // times halves by vpdpwssd (VNNI) or vpmaddwd, exact int32 sums (see there): W4A16 at 1 row
 // 1.25-1.45x faster with AVX-512 VNNI, 1.12-1.30x with AVX2, on Llama-3-8B's matrices. The float
 // paths, measured in cache, one thread, 512 x 2048 (Zen 4): 4 rows 18 -> 24 GMAC/s (groups of 32) and 27 -> 32 (128) with the tables; one row 16 and
@@ -365,6 +366,17 @@ inline void channels(const float* x, int64_t M, int64_t K, const uint8_t* wt, in
   const int64_t st = n * o.groups;
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) tile<kRows, C>(x + m * K, K, wt, st, n, y + m * N, N, o);
+  // 2 or 3 rows left (AVX-512): one narrower tile. Against a split row each (below), best of 7 on
+  // Zen 4: 2 and 3 rows 1.2-1.4x on 6144 x 4096, 1.05-1.25x on SmolLM2's matrices; 6-11 rows 1.1x.
+  if constexpr (kRows > 3) {
+    if (M - m == 3) {
+      tile<3, C>(x + m * K, K, wt, st, n, y + m * N, N, o);
+      m += 3;
+    } else if (M - m == 2) {
+      tile<2, C>(x + m * K, K, wt, st, n, y + m * N, N, o);
+      m += 2;
+    }
+  }
   for (; m < M; ++m) {
 #if defined(FIVEFOLD_W4_SPLIT)
     if constexpr (C == kChannels) {
@@ -1308,7 +1320,7 @@ void for_each_tile(int64_t N, int64_t channel_bytes, int64_t K, Body&& body) {
 
 #if defined(FIVEFOLD_FLOAT_PANELS) && defined(__AVX512F__)
 #define FIVEFOLD_INT4_FLOAT_PANELS 1
-// W4A16 from kFloatPanelMinRows rows with AVX-512: panels.h's float panels. Columns [k0, k0 + cols)
+// W4A16 from float_panel_min_rows(K) rows with AVX-512: panels.h's float panels. Columns [k0, k0 + cols)
 // of the channels [n0, n0 + fpanel::kLanes) (whole tiles) as floats scale * q + offset into
 // buf [cols][fpanel::kLanes]: a step's low and high nibbles are its first W columns and its next W,
 // each laid out as an int8 step is (byte W c + j: channel c, column j), so they take the int8
@@ -1377,13 +1389,23 @@ inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0
 }
 #endif
 
+#if defined(FIVEFOLD_INT4_FLOAT_PANELS)
+// Rows from which float activations take the panels. The row tiles read a tile's codes again (from
+// L1) for every kRows rows and end each pass with R x C horizontal sums: at K = 576 they trail the
+// panels from 12 rows (SmolLM2's matrices, 0.75-0.95x), at K = 4096 they lead up to 16 rows
+// (6144 x 4096 in groups of 128: 8-16 rows 183-191 GFLOP/s against 140-177) and tie at 20.
+inline int64_t float_panel_min_rows(int64_t K) { return K >= 2048 ? 20 : kFloatPanelMinRows; }
+#elif defined(FIVEFOLD_INT4_PANELS)
+inline int64_t float_panel_min_rows(int64_t) { return kFloatPanelMinRows; }
+#endif
+
 // The W4A16 product of float32 rows xf [M, K].
 torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operands o, int64_t group_cols) {
   const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), groups = o.groups;
 #if defined(FIVEFOLD_W4_SPLIT)
-  // The rows that tile_row would take (fewer than kRows, or the remainder below the float panels'
-  // threshold) go through the integer split instead; only those rows are split (indexed by m).
-  const bool split = M % kRows != 0 && M < kFloatPanelMinRows;
+  // The row that tile_row would take (one left over by the row tiles below the float panels'
+  // threshold) goes through the integer split instead; only that row is split (indexed by m).
+  const bool split = M % kRows == 1 && M < float_panel_min_rows(K);
 #else
   const bool split = false;
 #endif
@@ -1406,8 +1428,8 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   if (split) {
     int16_t* const xw = scratch.take<int16_t>(split_words);
     float* const xd = scratch.take<float>(split_groups);
-    for (int64_t m = M - M % kRows; m < M; ++m)
-      split_row(xf.data_ptr<float>() + m * K, K, group_cols, xw + m * o.total_steps * kSplitWords, xd + m * groups);
+    const int64_t m = M - 1;
+    split_row(xf.data_ptr<float>() + m * K, K, group_cols, xw + m * o.total_steps * kSplitWords, xd + m * groups);
     o.xw = xw;
     o.xd = xd;
   }
@@ -1418,7 +1440,7 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
 #if defined(FIVEFOLD_INT4_FLOAT_PANELS)
-  if (M >= kFloatPanelMinRows) {
+  if (M >= float_panel_min_rows(K)) {
     const int64_t panels = N / fpanel::kLanes;
     fpanel::run(xp, M, K, panels, yp, N, nullptr, o.bias, [&](int64_t p, int64_t k0, int64_t cols, float* buf) {
       int4_panel_widen(wp, K, p * fpanel::kLanes, k0, cols, o, group_cols, buf);
@@ -1427,7 +1449,7 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   }
 #endif
 #if defined(FIVEFOLD_INT4_PANELS)
-  if (n0 == 0 && M >= kFloatPanelMinRows) n0 = run_panels<FloatPanel, true>(FloatPanelRows(xp, M, K), M, K, wp, N, yp, o, group_cols);
+  if (n0 == 0 && M >= float_panel_min_rows(K)) n0 = run_panels<FloatPanel, true>(FloatPanelRows(xp, M, K), M, K, wp, N, yp, o, group_cols);
 #endif
   for_each_tile(N - n0, K / 2, K, [&](auto c, int64_t byte0, int64_t n) {
     channels<decltype(c)::value>(xp, M, K, wp + n0 * (K / 2) + byte0, n0 + n, yp, N, o);

@@ -40,7 +40,7 @@ def _codes(n, k, group, symmetric, gen):
     return q, scale, offset
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 11, 13, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 64),
                                        (44, 2336, 32)])
 @pytest.mark.parametrize("symmetric", [True, False])
