@@ -20,6 +20,7 @@ from fivefold.models import kv_quant
 from fivefold.models.attention import AttentionMetadata
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.models.native_decode import NativeDecoder
+from fivefold.platform import keep_step_heap
 
 
 @dataclass
@@ -85,6 +86,7 @@ class ModelRunner:
         if config.kv_cache_dtype == "int8":
             kv_quant.check_head_dim(model.config.head_dim)  # before any copy or kernel build
         self.model = serving_view(model, config)
+        keep_step_heap()  # after loading: the steps' outputs reuse freed heap instead of faulting in fresh pages
         from fivefold.models.layers import resident_weight_bytes
 
         # the loaded model's weights and the view's packed layouts (shared ones counted once)
