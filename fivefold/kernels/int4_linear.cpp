@@ -1361,6 +1361,11 @@ inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0
   // once: an error of at most 2^-24 |o - 16 s| per weight, float32's own rounding of w times a few.
   static const __m512i place[4] = {place_bytes(0), place_bytes(1), place_bytes(2), place_bytes(3)};
   const __m512i one = _mm512_set1_epi32(0x3F800000), mask = _mm512_set1_epi8(0x78), top = _mm512_set1_epi8(-128);
+  // Each step also prefetches the same step kAheadBlocks widenings on (fpanel::ahead): its codes,
+  // scales and offsets.
+  const fpanel::Ahead on = fpanel::ahead(k0, K);
+  const int64_t next_n = on.panels * fpanel::kLanes, next_grp = (k0 + on.cols) / group_cols - k0 / group_cols;
+  const int64_t next_bytes = next_n * channel_bytes + on.cols / 2 * kChannels;
   for (int64_t s = 0; s < cols / kStepCols; ++s) {
     const int64_t col = k0 + s * kStepCols, grp = col / group_cols;
     for (int half = 0; half < 2; ++half) {
@@ -1370,7 +1375,13 @@ inline void int4_panel_widen(const uint8_t* w, int64_t K, int64_t n0, int64_t k0
       const Vec s16 = vmul(sv, vset1(16.f)), c16 = _mm512_sub_ps(ov, s16);
       const uint8_t* p = w + n * channel_bytes + col / kStepCols * kChannels * kWidth;
       __m512i a[4];
-      for (int t = 0; t < 4; ++t) a[t] = _mm512_loadu_si512(p + t * tile_bytes);
+      for (int t = 0; t < 4; ++t) {
+        a[t] = _mm512_loadu_si512(p + t * tile_bytes);
+        _mm_prefetch(reinterpret_cast<const char*>(p + t * tile_bytes + next_bytes), _MM_HINT_T0);
+        const int64_t at = (n + next_n + kChannels * t) * groups + (grp + next_grp) * kChannels;
+        _mm_prefetch(reinterpret_cast<const char*>(o.scale + at), _MM_HINT_T0);
+        if (o.offset) _mm_prefetch(reinterpret_cast<const char*>(o.offset + at), _MM_HINT_T0);
+      }
       for (int nibble = 0; nibble < 2; ++nibble) {
         __m512i b[4];  // (q << 3) | 0x80 in every byte: 16-bit shifts, then the mask drops the neighbours' bits
         for (int t = 0; t < 4; ++t)
