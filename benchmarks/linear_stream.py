@@ -57,9 +57,11 @@ INT4_GROUP = 32
 # float16 scale per block, 8.5 bits per weight)
 # float16 scale per block, 8.5 bits per weight); q4_0: GGUF Q4_0's, symmetric codes with a float16
 # scale per 32 (4.5 bits)
-# int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128)
-INT4_GROUPS = {"int4": INT4_GROUP, "int4-g128": 128, "q4_0": 32}
-BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g128": 0.5 + 4 / 128, "q8_0": 1 + 2 / 32,
+# int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128);
+# int4-g64: GPTQ's and AWQ's common group (a scale and minimum per 64)
+INT4_GROUPS = {"int4": INT4_GROUP, "int4-g64": 64, "int4-g128": 128, "q4_0": 32}
+BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g64": 0.5 + 4 / 64, "int4-g128": 0.5 + 4 / 128,
+                    "q8_0": 1 + 2 / 32,
                     "q4_0": 0.5 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights

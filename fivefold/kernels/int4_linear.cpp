@@ -16,8 +16,9 @@
 // block's quants). Scales and offsets (float16, as GGUF stores them) are in the same tile-major
 // order, [groups, C] per tile, so a thread reads three sequential streams.
 //
-// From 8 rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
-// below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes); with
+// From a few rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
+// below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes; int8
+// activations from 5-24 rows by ISA and group size, a8_panel_min_rows); with
 // AVX-512 (VBMI), float activations take panels.h's instead (channels in the lanes, as W8A16's),
 // from 8 rows where K < 2048 and from 20 where K is larger (float_panel_min_rows). Below that:
 // each byte vector becomes two vectors of dequantized float weights, which every row then
@@ -732,7 +733,23 @@ struct FloatPanel {
 
 #if defined(__AVX512VNNI__) || !defined(__AVX512F__)
 #define FIVEFOLD_A8_PANELS 1
-constexpr int64_t kA8PanelMinRows = 8;  // 4 rows: tile_a8 1.07x faster; 8: this 1.2-1.35x (AVX-512 VNNI)
+// Rows from which W4A8 takes the panels, by the group's 32-column blocks. The panels convert and
+// scale a block's int32 sums once per (channel, block) lane for all rows; tile_a8 once per block,
+// tile and row, but streams the codes without the transpose. So the fewer blocks a group has (the
+// more conversions per weight), the earlier the panels win. Cold weights (benchmarks/linear_stream.py
+// --shapes llama8b and smollm2, stream-a8, tiles against panels, two runs each, Zen 4):
+//   AVX-512 VNNI: groups of 32 (Q4_0, Q4_1, Q4_K) 4 rows 0.9x, 5-8 rows 1.1-1.33x; of 64 tiles
+//     1.04-1.4x up to 7 rows, panels 1.05x at 8; of 128 tiles 1.08x at 8, panels 1.02x at 10, 1.1x at 12.
+//   AVX2 (forced): groups of 32 even at 7-8 rows, panels 1.1x at 10; of 64 tiles 1.2x at 8, even at
+//     14, panels 1.03-1.15x at 16-32; of 128 tiles 1.32x at 8, 1.08x at 16, even at 24-32.
+inline int64_t a8_panel_min_rows(int64_t group_cols) {
+  const int64_t blocks = group_cols / kBlock;
+#if defined(__AVX512F__)
+  return blocks <= 1 ? 5 : blocks == 2 ? 8 : 10;
+#else
+  return blocks <= 1 ? 8 : blocks == 2 ? 16 : 24;
+#endif
+}
 
 // W4A8: the rows laid out for the panels: xr [M, spans, 8, B] dwords of codes (vector t: block b's
 // 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, B] int32 (symmetric: -8 x each block's
@@ -1488,7 +1505,7 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
 #if defined(FIVEFOLD_A8_PANELS)
-  if (M >= kA8PanelMinRows) {
+  if (M >= a8_panel_min_rows(group_cols)) {
     const Int8PanelRows rows(a, M, /*symmetric=*/!o.offset);
     n0 = o.offset ? run_panels<Int8Panel, false>(rows, M, K, wp, N, yp, o, group_cols)
                   : run_panels<Int8Panel, true>(rows, M, K, wp, N, yp, o, group_cols);

@@ -87,7 +87,7 @@ def test_few_rows_are_as_exact_as_float32(rows, n, k, group, symmetric):
     assert bool((err <= 16 * bound + 1e-30).all()), float((err / bound).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32),
                                        (44, 2336, 32)])
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -125,14 +125,15 @@ def test_kernel_quantizes_rows_to_the_reference_bytes():
     assert torch.equal(y, dequantize_activations(*quantize_activations(x)))
 
 
-@pytest.mark.parametrize("copies", [1, 2])
+@pytest.mark.parametrize("rows", [4, 6, 12])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_integer_sums_are_exact_on_saturating_operands(symmetric, copies):
+def test_integer_sums_are_exact_on_saturating_operands(symmetric, rows):
     """Codes 15 (and 0) against activations -127 and 127, scales 1: every output is the int64 dot
     product exactly (K = 4096: sums up to 7.8e6, integers float32 holds). On AVX2, vpmaddubsw adds
     pairs of u8 x s8 products into int16 with saturation: 15 x 127 x 2 per pair, four pairs per
     block summed before widening, stay under 32767, which these operands reach the closest to.
-    Two copies of the 6 rows: 12 rows, the panel path on AVX-512 VNNI."""
+    4 rows take tile_a8 on every ISA, 6 the panels with AVX-512 VNNI (groups of 32 from 5 rows) and
+    tile_a8 with AVX2, 12 (the 6 rows twice) the panels on both."""
     ops = int4_ops()
     n, k = 37, 4096
     q = torch.full((n, k), 15, dtype=torch.uint8)
@@ -144,10 +145,10 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric, copies):
     xq[3] = torch.randint(-127, 128, (k,), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
     xq[4, ::4] = 0
     xq[5, 5::7] = 127
-    xq = xq.repeat(copies, 1)
+    xq = xq.repeat(2, 1)[:rows]
     scale = ops.int4_pack_groups(torch.ones(n, k // 32, dtype=torch.float16), True)
     offset = None if symmetric else ops.int4_pack_groups(torch.zeros(n, k // 32, dtype=torch.float16), True)
-    y = ops.int4_linear_int8(xq, torch.ones(6 * copies, k // 32), ops.int4_pack(q), scale, offset, None)
+    y = ops.int4_linear_int8(xq, torch.ones(rows, k // 32), ops.int4_pack(q), scale, offset, None)
     want = xq.long() @ (q.long() - (8 if symmetric else 0)).t()
     assert bool((want.abs() < 2 ** 24).all())
     assert torch.equal(y.double(), want.double())
