@@ -30,9 +30,8 @@
 // offset * sum_g(x), with the row's group sums of x computed once per call: fewer operations per
 // weight where a group's table would serve one row only. With AVX2 and AVX-512 a row left over by
 // the row tiles (1 row, and odd counts on AVX2; 4k + 1 rows on AVX-512, where 2 or 3 rows left take
-// one narrower tile) takes tile_row_split instead: each group of a row as exact 24-bit integers in two 16-bit halves, codes
-// times halves by vpdpwssd (VNNI) or vpmaddwd, exact int32 sums (see there): W4A16 at 1 row
-// 1.25-1.45x faster with AVX-512 VNNI, 1.12-1.30x with AVX2, on Llama-3-8B's matrices. The float
+// one narrower tile) takes tile_row_digits instead: each group of a row as exact 24-bit integers in three
+// signed bytes, codes times bytes as W4A8 multiplies them, exact int32 sums (see there). The float
 // paths, measured in cache, one thread, 512 x 2048 (Zen 4): 4 rows 18 -> 24 GMAC/s (groups of 32) and 27 -> 32 (128) with the tables; one row 16 and
 // 21 GMAC/s with the folded sums against 14 and 21 with the tables.
 #include <torch/extension.h>
@@ -108,8 +107,8 @@ struct Operands {
   const at::Half* scale;   // tile-major [N, groups]
   const at::Half* offset;  // tile-major [N, groups], or null: symmetric, offset = -8 * scale
   const float* xsum;       // [M, groups]: each row's sum of x over each group (the one-row path)
-  const int16_t* xw;       // [M, total_steps, kSplitWords]: rows' split 24-bit integers (split_row), or null
-  const float* xd;         // [M, groups]: their scale per group
+  const int8_t* xp;        // [K / 32, 3, 32]: the one row's digits (digit_row), or null
+  const float* xd;         // [groups]: their scale per group
   const float* bias;       // [N] or null
   int64_t groups, steps;   // groups per row; column steps per (full) group
   int64_t total_steps;     // column steps per row (the last group may have fewer than `steps`)
@@ -216,108 +215,9 @@ inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 
 #if defined(FIVEFOLD_A8)
 #define FIVEFOLD_W4_SPLIT 1
-// ---- One row: float activations as exact integers ----
-//
-// The float path above spends 7 vector operations per channel and 2W weights (a zero extension,
-// an AND, a shift, two conversions, two FMAs): on 2 cores it streams 4-bit weights at ~50-70% of
-// DRAM's rate, compute-bound. Here each group of the row is scaled to 24-bit integers, x = d * v
-// with |v| <= 2^23 - 1 (d = amax / (2^23 - 1): the rounding error is at most amax * 2^-24,
-// float32's own for the group's largest element), and v is split exactly into v = 4096 * hi + lo,
-// hi in [-2048, 2047], lo in [0, 4095]. The codes stay in the 16-bit words of the weight vector as
-// loaded (a word holds 4 nibbles: columns 2w, W + 2w, 2w + 1, W + 2w + 1 of its channel), so each
-// nibble position takes one shift and/or AND for all 4 channels, and a 16-bit multiply-add
-// (vpdpwssd with VNNI; vpmaddwd + vpaddd otherwise) multiplies it by the matching hi and lo words
-// (broadcast to every channel's lane group: a load) and sums pairs into int32 lanes, kLanes per
-// channel. Per step of 4 channels x 2W columns: 6 shifts/ANDs and 8 multiply-adds (16 without
-// VNNI) instead of 28 operations. The sums are exact (a group of 256 at most: |sum hi q| < 2^21,
-// sum lo q < 2^22), converted once per group, 4096 * hi + lo in one FMA, then scaled by the
-// group's scale times d. The offsets enter as before (offset * sum of x, in float).
-constexpr int64_t kSplitHalf = kWidth / 2;          // words per channel in a step
-constexpr int64_t kSplitWords = 4 * 2 * kSplitHalf;  // per step: 4 nibble positions x (hi, lo)
-constexpr float kSplitMax = 8388607.f;              // 2^23 - 1
-
-// Beside IVec's helpers: 16-bit shifts and masks, and the multiply-add of 16-bit pairs into int32.
-#if defined(__AVX512F__)
-inline IVec s_and(IVec a, IVec b) { return _mm512_and_si512(a, b); }
-template <int N> inline IVec s_srl(IVec a) { return _mm512_srli_epi16(a, N); }
-inline IVec s_set16(int16_t v) { return _mm512_set1_epi16(v); }
-inline IVec s_zero() { return _mm512_setzero_si512(); }
-inline IVec s_dot(IVec acc, IVec q, IVec x) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, q, x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(q, x));
-#endif
-}
-#else
-inline IVec s_and(IVec a, IVec b) { return _mm256_and_si256(a, b); }
-template <int N> inline IVec s_srl(IVec a) { return _mm256_srli_epi16(a, N); }
-inline IVec s_set16(int16_t v) { return _mm256_set1_epi16(v); }
-inline IVec s_zero() { return _mm256_setzero_si256(); }
-inline IVec s_dot(IVec acc, IVec q, IVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x)); }
-#endif
-
-// Row x [K] -> xw [K / 2W, kSplitWords] int16 and xd [groups]: word w of (nibble position j,
-// part) holds column 2w (j = 0), W + 2w (1), 2w + 1 (2), W + 2w + 1 (3) of its step.
-inline void split_row(const float* x, int64_t K, int64_t group_cols, int16_t* xw, float* xd) {
-  for (int64_t g0 = 0, grp = 0; g0 < K; g0 += group_cols, ++grp) {
-    const int64_t end = std::min(K, g0 + group_cols);
-    float amax = 0.f;
-    for (int64_t k = g0; k < end; ++k) amax = std::max(amax, std::fabs(x[k]));
-    const float inv = amax > 0.f ? kSplitMax / amax : 0.f;
-    xd[grp] = amax / kSplitMax;
-    for (int64_t s0 = g0; s0 < end; s0 += kStepCols) {
-      int16_t* out = xw + (s0 / kStepCols) * kSplitWords;
-      for (int j = 0; j < 4; ++j)
-        for (int64_t w = 0; w < kSplitHalf; ++w) {
-          const int64_t col = (j & 1) * kWidth + 2 * w + (j >> 1);
-          const int32_t v = static_cast<int32_t>(
-              std::min(kSplitMax, std::max(-kSplitMax, std::nearbyint(x[s0 + col] * inv))));
-          out[j * 2 * kSplitHalf + w] = static_cast<int16_t>(v >> 12);             // hi (arithmetic shift: floor)
-          out[j * 2 * kSplitHalf + kSplitHalf + w] = static_cast<int16_t>(v & 4095);  // lo
-        }
-    }
-  }
-}
-
-inline void tile_row_split(const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y, const Operands& o) {
-  const int16_t* xw = o.xw + m * o.total_steps * kSplitWords;
-  const float* xd = o.xd + m * o.groups;
-  const IVec nib = s_set16(15);
-  Vec acc = vzero();
-  __m128 off = _mm_setzero_ps();
-  const uint8_t* p = wt;
-  int64_t s = 0;
-  for (int64_t grp = 0; grp < o.groups; ++grp) {
-    const __m128 sc = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.scale + st + grp * kChannels)));
-    const __m128 of = o.offset ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.offset + st + grp * kChannels)))
-                               : _mm_mul_ps(sc, _mm_set1_ps(-8.f));
-    off = _mm_fmadd_ps(of, _mm_set1_ps(o.xsum[m * o.groups + grp]), off);
-    IVec hi = s_zero(), lo = s_zero();
-    const int64_t end = std::min(s + o.steps, o.total_steps);
-    for (; s < end; ++s, p += kChannels * kWidth) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
-      const IVec v = wload(p);
-      const int16_t* xs = xw + s * kSplitWords;
-      const IVec q[4] = {s_and(v, nib), s_and(s_srl<4>(v), nib), s_and(s_srl<8>(v), nib), s_srl<12>(v)};
-      for (int j = 0; j < 4; ++j) {
-        const int8_t* xj = reinterpret_cast<const int8_t*>(xs + j * 2 * kSplitHalf);  // W bytes: the hi words
-        hi = s_dot(hi, q[j], xbroadcast(xj));
-        lo = s_dot(lo, q[j], xbroadcast(xj + kWidth));
-      }
-    }
-    acc = vfma(vfma(to_float(hi), vset1(4096.f), to_float(lo)), spread4(_mm_mul_ps(sc, _mm_set1_ps(xd[grp]))), acc);
-  }
-  alignas(64) float lanes[kWidth];
-  alignas(16) float offs[4];
-  vstore(lanes, acc);
-  _mm_store_ps(offs, off);
-  for (int c = 0; c < kChannels; ++c) {
-    float sum = 0.f;
-    for (int l = 0; l < kLanes; ++l) sum += lanes[c * kLanes + l];
-    y[n + c] = sum + offs[c] + (o.bias ? o.bias[n + c] : 0.f);
-  }
-}
+// One row of float activations as exact integers (see "One row" below, after the W4A8 blocks it
+// shares); o.xp and o.xd hold that row's digits.
+inline void tile_row_digits(const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y, const Operands& o);
 #endif
 
 // R rows x C channels starting at channel n; wt: the tile's weights, st: the tile's scales and
@@ -381,8 +281,8 @@ inline void channels(const float* x, int64_t M, int64_t K, const uint8_t* wt, in
   for (; m < M; ++m) {
 #if defined(FIVEFOLD_W4_SPLIT)
     if constexpr (C == kChannels) {
-      if (o.xw) {
-        tile_row_split(wt, st, n, m, y + m * N, o);
+      if (o.xp) {
+        tile_row_digits(wt, st, n, m, y + m * N, o);
         continue;
       }
     }
@@ -459,6 +359,81 @@ inline IVec iset1(int32_t v) { return _mm512_set1_epi32(v); }
 #else
 inline IVec iset1(int32_t v) { return _mm256_set1_epi32(v); }
 #endif
+
+// ---- One row: float activations as exact integers ----
+//
+// The float path above spends 7 vector operations per channel and 2W weights (a zero extension,
+// an AND, a shift, two conversions, two FMAs): on 2 cores it streams 4-bit weights at ~50-70% of
+// DRAM's rate, compute-bound. Here each group of the row is scaled to 24-bit integers, x = d * v
+// with |v| <= kDigitMax = 127 (2^16 + 2^8 + 1), just under 2^23 (d = amax / kDigitMax: the
+// rounding error is at most amax * 2^-23.99, float32's own for the group's largest element), and v
+// is written exactly as three signed bytes, v = 2^16 a + 2^8 b + c (c and b in [-128, 127], a in
+// [-127, 127]). Each byte plane is then a W4A8 row with one scale per group: block_dot multiplies
+// the codes (unsigned bytes, unpacked once per block for the three planes) by each plane's bytes
+// and sums them exactly in int32 (vpdpbusd with VNNI; vpmaddubsw, whose int16 pair sums cannot
+// saturate against codes of at most 15, and vpmaddwd otherwise). Once per group the three sums are
+// converted and combined, 2^16 a + 2^8 b + c in two FMAs, and scaled by the group's scale times
+// d; the offsets enter as on the float path (offset * sum of x, in float). Per block of 4 channels
+// x 32 columns: 6 vpdpbusd and 3 unpacking operations with VNNI, where two 16-bit halves (the
+// form this replaced) took 8 vpdpwssd and 6; with AVX2 33 operations instead of 44.
+constexpr int64_t kDigitBlock = 3 * kBlock;  // a block's bytes in a row's digits: planes a, b, c
+constexpr float kDigitMax = 8355711.f;       // 127 * (65536 + 256 + 1)
+
+// Row x [K] (K a multiple of kBlock) -> xp [K / kBlock, 3, kBlock] bytes (each block's a, b and c
+// planes in column order) and xd [groups]: each group's d.
+inline void digit_row(const float* x, int64_t K, int64_t group_cols, int8_t* xp, float* xd) {
+  for (int64_t g0 = 0, grp = 0; g0 < K; g0 += group_cols, ++grp) {
+    const int64_t end = std::min(K, g0 + group_cols);
+    float amax = 0.f;
+    for (int64_t k = g0; k < end; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float inv = amax > 0.f ? kDigitMax / amax : 0.f;
+    xd[grp] = amax / kDigitMax;
+    for (int64_t k = g0; k < end; ++k) {
+      const int32_t v = static_cast<int32_t>(std::min(kDigitMax, std::max(-kDigitMax, std::nearbyint(x[k] * inv))));
+      const int32_t c = static_cast<int8_t>(v & 255);  // the low byte, signed: v - c is a multiple of 256
+      const int32_t v1 = (v - c) / 256;
+      const int32_t b = static_cast<int8_t>(v1 & 255);
+      int8_t* out = xp + (k / kBlock) * kDigitBlock + k % kBlock;
+      out[0] = static_cast<int8_t>((v1 - b) / 256);
+      out[kBlock] = static_cast<int8_t>(b);
+      out[2 * kBlock] = static_cast<int8_t>(c);
+    }
+  }
+}
+
+inline void tile_row_digits(const uint8_t* wt, int64_t st, int64_t n, int64_t m, float* y, const Operands& o) {
+  const int64_t blocks = o.total_steps / kStepsPerBlock, blocks_per_group = o.steps / kStepsPerBlock;
+  Vec acc = vzero();
+  __m128 off = _mm_setzero_ps();
+  const uint8_t* p = wt;
+  int64_t blk = 0;
+  for (int64_t grp = 0; grp < o.groups; ++grp) {
+    const __m128 sc = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.scale + st + grp * kChannels)));
+    const __m128 of = o.offset ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.offset + st + grp * kChannels)))
+                               : _mm_mul_ps(sc, _mm_set1_ps(-8.f));
+    off = _mm_fmadd_ps(of, _mm_set1_ps(o.xsum[m * o.groups + grp]), off);
+    IVec a = iset1(0), b = iset1(0), c = iset1(0);
+    for (const int64_t end = std::min(blk + blocks_per_group, blocks); blk < end; ++blk, p += kChannels * kWidth * kStepsPerBlock) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
+      const BlockCodes<kChannels> codes(p);
+      const int8_t* xb = o.xp + blk * kDigitBlock;
+      a = block_dot(codes, xb, a);
+      b = block_dot(codes, xb + kBlock, b);
+      c = block_dot(codes, xb + 2 * kBlock, c);
+    }
+    const Vec v = vfma(to_float(a), vset1(65536.f), vfma(to_float(b), vset1(256.f), to_float(c)));
+    acc = vfma(v, spread4(_mm_mul_ps(sc, _mm_set1_ps(o.xd[grp]))), acc);
+  }
+  alignas(64) float lanes[kWidth];
+  alignas(16) float offs[4];
+  vstore(lanes, acc);
+  _mm_store_ps(offs, off);
+  for (int ch = 0; ch < kChannels; ++ch) {
+    float sum = 0.f;
+    for (int l = 0; l < kLanes; ++l) sum += lanes[ch * kLanes + l];
+    y[n + ch] = sum + offs[ch] + (o.bias ? o.bias[n + ch] : 0.f);
+  }
+}
 #endif
 
 // The quantized activations of a call.
@@ -1314,7 +1289,7 @@ Operands checked_operands(const char* op, const torch::Tensor& w, int64_t K, con
     TORCH_CHECK(bias.numel() == N, op, ": bias must have ", N, " elements");
   }
   return Operands{scale.data_ptr<at::Half>(), offset.defined() ? offset.data_ptr<at::Half>() : nullptr,
-                  /*xsum=*/nullptr, /*xw=*/nullptr, /*xd=*/nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                  /*xsum=*/nullptr, /*xp=*/nullptr, /*xd=*/nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
                   groups, group_cols / kStepCols, K / kStepCols};
 }
 
@@ -1432,14 +1407,14 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), groups = o.groups;
 #if defined(FIVEFOLD_W4_SPLIT)
   // The row that tile_row would take (one left over by the row tiles below the float panels'
-  // threshold) goes through the integer split instead; only that row is split (indexed by m).
-  const bool split = M % kRows == 1 && M < float_panel_min_rows(K);
+  // threshold, the last) goes through the integer digits instead, where its blocks of 32 columns
+  // fall inside groups (groups of 16, which AVX2 also takes, stay on the float path).
+  const bool split = M % kRows == 1 && M < float_panel_min_rows(K) && K % kBlock == 0 && group_cols % kBlock == 0;
 #else
   const bool split = false;
 #endif
-  const int64_t split_words = split ? M * o.total_steps * kSplitWords : 0, split_groups = split ? M * groups : 0;
-  Scratch scratch(Scratch::size<float>(M * groups) + Scratch::size<int16_t>(split_words) +
-                  Scratch::size<float>(split_groups));
+  const int64_t split_bytes = split ? K / kBlock * kDigitBlock : 0, split_groups = split ? groups : 0;
+  Scratch scratch(Scratch::size<float>(M * groups) + Scratch::size<int8_t>(split_bytes) + Scratch::size<float>(split_groups));
   float* const xsum = scratch.take<float>(M * groups);
   {
     const float* xp = xf.data_ptr<float>();
@@ -1454,11 +1429,10 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
   o.xsum = xsum;
 #if defined(FIVEFOLD_W4_SPLIT)
   if (split) {
-    int16_t* const xw = scratch.take<int16_t>(split_words);
+    int8_t* const digits = scratch.take<int8_t>(split_bytes);
     float* const xd = scratch.take<float>(split_groups);
-    const int64_t m = M - 1;
-    split_row(xf.data_ptr<float>() + m * K, K, group_cols, xw + m * o.total_steps * kSplitWords, xd + m * groups);
-    o.xw = xw;
+    digit_row(xf.data_ptr<float>() + (M - 1) * K, K, group_cols, digits, xd);
+    o.xp = digits;
     o.xd = xd;
   }
 #endif

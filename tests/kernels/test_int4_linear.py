@@ -87,6 +87,28 @@ def test_few_rows_are_as_exact_as_float32(rows, n, k, group, symmetric):
     assert bool((err <= 16 * bound + 1e-30).all()), float((err / bound).max())
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("group", [32, 128])
+def test_one_row_of_integers_is_summed_exactly(rows, group):
+    """The row left to tile_row_digits (1 row; the 5th of 5) writes each group as three signed bytes
+    of a 24-bit integer. Integer activations whose group maximum is the largest such integer
+    (8355711) are taken as they are, so with scales 1 and offsets 0 the product is the int64 sum,
+    up to float32's rounding of the per-group partial sums. The other activations stay under 2^17,
+    so the two low byte planes carry them: one dropped or misplaced is off by far more."""
+    ops = int4_ops()
+    n, k = 37, 576
+    gen = torch.Generator().manual_seed(rows * 31 + group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    x = torch.randint(-(2 ** 17), 2 ** 17, (rows, k), generator=gen)
+    x[:, ::group] = 8355711 * (1 - 2 * torch.randint(0, 2, (rows, len(range(0, k, group))), generator=gen))
+    groups = -(-k // group)
+    y = ops.int4_linear(x.float(), ops.int4_pack(q), ops.int4_pack_groups(torch.ones(n, groups, dtype=torch.float16), True),
+                        ops.int4_pack_groups(torch.zeros(n, groups, dtype=torch.float16), True), None)
+    want = x @ q.long().t()
+    bound = 2.0 ** -20 * (x.abs() @ q.long().t()).double()
+    assert bool(((y.double() - want.double()).abs() <= bound).all()), float(((y.double() - want.double()).abs() / bound).max())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32),
                                        (44, 2336, 32)])
