@@ -18,7 +18,7 @@
 //
 // From a few rows both the float and the int8-activation paths take packed panels (see "From 8 rows"
 // below: codes of two tiles transposed once per 64 rows, (channel, block) in the lanes; int8
-// activations from 5-24 rows by ISA and group size, a8_panel_min_rows); with
+// activations from 9-24 rows by ISA and group size, a8_panel_min_rows); with
 // AVX-512 (VBMI), float activations take panels.h's instead (channels in the lanes, as W8A16's),
 // from 8 rows where K < 2048 and from 20 where K is larger (float_panel_min_rows). Below that:
 // each byte vector becomes two vectors of dequantized float weights, which every row then
@@ -444,6 +444,11 @@ struct Int8Rows {
   const float* xsum;   // [M, groups]: each group's sum of the dequantized row, divided by kLanes
   int64_t K, blocks, groups;
   const int32_t* half_qsum = nullptr;  // [M, 2 blocks]: each half block's sum of codes (groups of 16)
+  // The same rows block-major for tile_a8 (interleave_rows): one pointer walks R rows' blocks.
+  const int8_t* xi = nullptr;   // [blocks, M, kBlock]
+  const float* di = nullptr;    // [blocks, M]: each block's d
+  const int32_t* ci = nullptr;  // [blocks, M]: -8 / kLanes x each block's code sum (symmetric codes' start)
+  int64_t rows = 0;             // M
 };
 
 #if defined(FIVEFOLD_A8)
@@ -474,6 +479,12 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   const uint8_t* p = wt;
   const int64_t blocks_per_group = o.steps / kStepsPerBlock;
+  // The R rows of a block are adjacent in a.xi, a.di and a.ci, so three pointers walk them. Indexed
+  // per row in the [M, blocks] layout, GCC ran out of general registers: on Zen 4, Q4_0's form on
+  // 6144 x 4096, 4 rows took 7.5 cycles per block and row, most in address arithmetic and spills.
+  const int8_t* xb = a.xi + m * kBlock;
+  const float* db = a.di + m;
+  const int32_t* cb = a.ci + m;
   int64_t blk = 0;
   for (int64_t grp = 0; grp < o.groups; ++grp) {
     float sc[kChannels] = {}, of[kChannels] = {};
@@ -481,14 +492,14 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
     if constexpr (!Symmetric) halves_to_floats<C>(o.offset + st + grp * C, of);
     Vec part[R];
     for (int r = 0; r < R; ++r) part[r] = vzero();
-    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kStepsPerBlock) {
+    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end;
+         ++blk, p += C * kWidth * kStepsPerBlock, xb += a.rows * kBlock, db += a.rows, cb += a.rows) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       const BlockCodes<C> codes(p);
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (m + r) * a.blocks + blk;
-        const IVec init = Symmetric ? iset1(-(8 / kLanes) * a.qsum[at]) : iset1(0);
-        const Vec sum = to_float(block_dot(codes, a.xq + (m + r) * a.K + blk * kBlock, init));
-        part[r] = vfma(sum, vset1(a.d[at]), part[r]);
+        const IVec init = Symmetric ? iset1(cb[r]) : iset1(0);
+        const Vec sum = to_float(block_dot(codes, xb + r * kBlock, init));
+        part[r] = vfma(sum, vset1(db[r]), part[r]);
       }
     }
     const Vec scv = spread4(_mm_loadu_ps(sc));
@@ -712,17 +723,17 @@ struct FloatPanel {
 // scale a block's int32 sums once per (channel, block) lane for all rows; tile_a8 once per block,
 // tile and row, but streams the codes without the transpose. So the fewer blocks a group has (the
 // more conversions per weight), the earlier the panels win. Cold weights (benchmarks/linear_stream.py
-// --shapes llama8b and smollm2, stream-a8, tiles against panels, two runs each, Zen 4):
-//   AVX-512 VNNI: groups of 32 (Q4_0, Q4_1, Q4_K) 4 rows 0.9x, 5-8 rows 1.1-1.33x; of 64 tiles
-//     1.04-1.4x up to 7 rows, panels 1.05x at 8; of 128 tiles 1.08x at 8, panels 1.02x at 10, 1.1x at 12.
-//   AVX2 (forced): groups of 32 even at 7-8 rows, panels 1.1x at 10; of 64 tiles 1.2x at 8, even at
-//     14, panels 1.03-1.15x at 16-32; of 128 tiles 1.32x at 8, 1.08x at 16, even at 24-32.
+// --shapes llama8b, stream-a8, tiles against panels, two runs each, Zen 4, after tile_a8's
+// block-major rows): AVX-512 VNNI groups of 32 (Q4_0, Q4_1, Q4_K) tiles 1.04x at 8 rows, panels
+// 1.08-1.12x from 10; of 64 tiles 1.05-1.1x at 8, even at 9-11, panels from 12-13; of 128 tiles
+// 1.06x at 10, even at 12. AVX2 forced: groups of 32 tiles 1.04x at 8, even at 10, panels 1.1x at
+// 12; of 64 tiles through 16 (1.06x); of 128 tiles 1.04x at 16, even at 24.
 inline int64_t a8_panel_min_rows(int64_t group_cols) {
   const int64_t blocks = group_cols / kBlock;
 #if defined(__AVX512F__)
-  return blocks <= 1 ? 5 : blocks == 2 ? 8 : 10;
+  return blocks <= 1 ? 9 : blocks == 2 ? 11 : 12;
 #else
-  return blocks <= 1 ? 8 : blocks == 2 ? 16 : 24;
+  return blocks <= 1 ? 10 : blocks == 2 ? 20 : 24;
 #endif
 }
 
@@ -1462,8 +1473,29 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
 // The W4A8 product of quantized rows (xq int8 [M, K], d float32 [M, K / kBlock]); scratch: where
 // their sums go (the caller's, with room for run_int8_scratch's bytes).
 int64_t run_int8_scratch(int64_t M, int64_t K, int64_t groups) {
-  return Scratch::size<float>(M * groups) + Scratch::size<int32_t>(M * (K / kBlock));
+  return Scratch::size<float>(M * groups) + Scratch::size<int32_t>(M * (K / kBlock)) + Scratch::size<int8_t>(M * K) +
+         Scratch::size<float>(M * (K / kBlock)) + Scratch::size<int32_t>(M * (K / kBlock));
 }
+
+#if defined(FIVEFOLD_A8)
+// a's rows block-major into a.xi, a.di and a.ci (tile_a8's layout), from scratch.
+inline void interleave_rows(Int8Rows& a, int64_t M, Scratch& scratch) {
+  const int64_t blocks = a.blocks;
+  int8_t* xi = scratch.take<int8_t>(M * a.K);
+  float* di = scratch.take<float>(M * blocks);
+  int32_t* ci = scratch.take<int32_t>(M * blocks);
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(xi + (blk * M + m) * kBlock, a.xq + m * a.K + blk * kBlock, kBlock);
+      di[blk * M + m] = a.d[m * blocks + blk];
+      ci[blk * M + m] = -(8 / kLanes) * a.qsum[m * blocks + blk];
+    }
+  a.xi = xi;
+  a.di = di;
+  a.ci = ci;
+  a.rows = M;
+}
+#endif
 
 torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, const torch::Tensor& w, Operands o,
                        int64_t group_cols, Scratch& scratch) {
@@ -1474,7 +1506,8 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   int32_t* const qsum = scratch.take<int32_t>(M * (K / kBlock));
   int8_group_sums(xq, d, M, K, group_cols, qsum, xsum);
   auto y = torch::empty({M, N}, options);
-  const Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, o.groups};
+  Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, o.groups};
+  interleave_rows(a, M, scratch);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile

@@ -154,8 +154,8 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric, rows):
     product exactly (K = 4096: sums up to 7.8e6, integers float32 holds). On AVX2, vpmaddubsw adds
     pairs of u8 x s8 products into int16 with saturation: 15 x 127 x 2 per pair, four pairs per
     block summed before widening, stay under 32767, which these operands reach the closest to.
-    4 rows take tile_a8 on every ISA, 6 the panels with AVX-512 VNNI (groups of 32 from 5 rows) and
-    tile_a8 with AVX2, 12 (the 6 rows twice) the panels on both."""
+    4 rows take one tile_a8, 6 two (4 + 2 with AVX-512, 2 + 2 + 2 with AVX2), 12 (the 6 rows
+    twice) the panels with AVX-512 VNNI and AVX2 (groups of 32 from 9 and 10 rows)."""
     ops = int4_ops()
     n, k = 37, 4096
     q = torch.full((n, k), 15, dtype=torch.uint8)
