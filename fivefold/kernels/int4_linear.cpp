@@ -1472,9 +1472,28 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
 
 // The W4A8 product of quantized rows (xq int8 [M, K], d float32 [M, K / kBlock]); scratch: where
 // their sums go (the caller's, with room for run_int8_scratch's bytes).
-int64_t run_int8_scratch(int64_t M, int64_t K, int64_t groups) {
-  return Scratch::size<float>(M * groups) + Scratch::size<int32_t>(M * (K / kBlock)) + Scratch::size<int8_t>(M * K) +
-         Scratch::size<float>(M * (K / kBlock)) + Scratch::size<int32_t>(M * (K / kBlock));
+#if defined(FIVEFOLD_A8)
+// Whether tile_a8 takes any channels: all of them below the panels' rows, else those past the last
+// pair of tiles. Only then are the rows laid out block-major (interleave_rows).
+inline bool a8_tiles_run(int64_t M, int64_t N, int64_t group_cols) {
+#if defined(FIVEFOLD_A8_PANELS)
+  return M < a8_panel_min_rows(group_cols) || N % (kChannels * kPanelTiles) != 0;
+#else
+  (void)M, (void)N, (void)group_cols;
+  return true;
+#endif
+}
+#endif
+
+int64_t run_int8_scratch(int64_t M, int64_t K, int64_t N, int64_t groups, int64_t group_cols) {
+  int64_t bytes = Scratch::size<float>(M * groups) + Scratch::size<int32_t>(M * (K / kBlock));
+#if defined(FIVEFOLD_A8)
+  if (a8_tiles_run(M, N, group_cols))
+    bytes += Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) + Scratch::size<int32_t>(M * (K / kBlock));
+#else
+  (void)N, (void)group_cols;
+#endif
+  return bytes;
 }
 
 #if defined(FIVEFOLD_A8)
@@ -1507,7 +1526,7 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   int8_group_sums(xq, d, M, K, group_cols, qsum, xsum);
   auto y = torch::empty({M, N}, options);
   Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, o.groups};
-  interleave_rows(a, M, scratch);
+  if (a8_tiles_run(M, N, group_cols)) interleave_rows(a, M, scratch);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
@@ -1558,7 +1577,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   if (int8_activations) {
     check_int8_shapes("int4_linear", K, group_cols);
     Scratch scratch(Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) +
-                    run_int8_scratch(M, K, o.groups));
+                    run_int8_scratch(M, K, N, o.groups, group_cols));
     int8_t* const xq = scratch.take<int8_t>(M * K);
     float* const d = scratch.take<float>(M * (K / kBlock));
     quantize_rows(xf.data_ptr<float>(), M, K, xq, d);
@@ -1681,7 +1700,7 @@ torch::Tensor int4_linear_int8(torch::Tensor xq, torch::Tensor d, torch::Tensor 
   TORCH_CHECK(d.dim() == 2 && d.size(0) == xq.size(0) && d.size(1) == K / kBlock && d.scalar_type() == torch::kFloat32,
               "int4_linear_int8: d must be float32 [M, ", K / kBlock, "], got ", d.scalar_type(), " ", d.sizes());
   const torch::Tensor codes = xq.contiguous(), scales = d.contiguous();
-  Scratch scratch(run_int8_scratch(codes.size(0), K, o.groups));
+  Scratch scratch(run_int8_scratch(codes.size(0), K, w.size(0), o.groups, group_cols));
   return run_int8(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), codes.size(0), K, w, o, group_cols, scratch);
 }
 
