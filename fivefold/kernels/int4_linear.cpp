@@ -448,6 +448,8 @@ struct Int8Rows {
   const int8_t* xi = nullptr;   // [blocks, M, kBlock]
   const float* di = nullptr;    // [blocks, M]: each block's d
   const int32_t* ci = nullptr;  // [blocks, M]: -8 / kLanes x each block's code sum (symmetric codes' start)
+  const int32_t* qi = nullptr;  // [blocks, M]: each block's code sum (tile_q8)
+  const int32_t* hi = nullptr;  // [blocks, M, 2]: each half block's code sum (tile_q8, groups of 16)
   int64_t rows = 0;             // M
 };
 
@@ -1047,12 +1049,13 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
       const BlockBytes<C> bytes(p);
       const Vec s0 = q8_scales<Half, C>(scale, n, 2 * blk), s1 = q8_scales<Half, C>(scale, n, 2 * blk + 1);
+      const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
+      const float* db = a.di + blk * a.rows + m;
+      const int32_t* hb = a.hi + 2 * (blk * a.rows + m);
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (m + r) * a.blocks + blk;
-        const int8_t* xr = a.xq + (m + r) * a.K + blk * kBlock;
-        const Vec d = vset1(a.d[at]);
-        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf>(bytes, xr, a.half_qsum[2 * at])), vmul(d, s0), acc[r]);
-        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf>(bytes, xr, a.half_qsum[2 * at + 1])), vmul(d, s1),
+        const Vec d = vset1(db[r]);
+        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf>(bytes, xb + r * kBlock, hb[2 * r])), vmul(d, s0), acc[r]);
+        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf>(bytes, xb + r * kBlock, hb[2 * r + 1])), vmul(d, s1),
                       acc[r]);
       }
     }
@@ -1065,11 +1068,11 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
       const BlockBytes<C> bytes(p);
       const Vec scv = q8_scales<Half, C>(scale, n, blk);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (m + r) * a.blocks + blk;
-        acc[r] = vfma(to_float(block_dot_q8(bytes, a.xq + (m + r) * a.K + blk * kBlock, a.qsum[at])),
-                      vmul(vset1(a.d[at]), scv), acc[r]);
-      }
+      const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
+      const float* db = a.di + blk * a.rows + m;
+      const int32_t* qb = a.qi + blk * a.rows + m;
+      for (int r = 0; r < R; ++r)
+        acc[r] = vfma(to_float(block_dot_q8(bytes, xb + r * kBlock, qb[r])), vmul(vset1(db[r]), scv), acc[r]);
     }
     store_rows<R, C>(acc, m, n, y, N, bias);
     return;
@@ -1081,10 +1084,10 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
       const BlockBytes<C> bytes(p);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (m + r) * a.blocks + blk;
-        part[r] = vfma(to_float(block_dot_q8(bytes, a.xq + (m + r) * a.K + blk * kBlock, a.qsum[at])), vset1(a.d[at]), part[r]);
-      }
+      const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
+      const float* db = a.di + blk * a.rows + m;
+      const int32_t* qb = a.qi + blk * a.rows + m;
+      for (int r = 0; r < R; ++r) part[r] = vfma(to_float(block_dot_q8(bytes, xb + r * kBlock, qb[r])), vset1(db[r]), part[r]);
     }
     const Vec scv = q8_scales<Half, C>(scale, n, grp);
     for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
@@ -1485,11 +1488,16 @@ inline bool a8_tiles_run(int64_t M, int64_t N, int64_t group_cols) {
 }
 #endif
 
+// The scratch bytes interleave_rows takes (halves: the half blocks' code sums too).
+inline int64_t interleave_bytes(int64_t M, int64_t K, bool halves) {
+  return Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) + Scratch::size<int32_t>(M * (K / kBlock)) +
+         Scratch::size<int32_t>(halves ? 2 * M * (K / kBlock) : 0);
+}
+
 int64_t run_int8_scratch(int64_t M, int64_t K, int64_t N, int64_t groups, int64_t group_cols) {
   int64_t bytes = Scratch::size<float>(M * groups) + Scratch::size<int32_t>(M * (K / kBlock));
 #if defined(FIVEFOLD_A8)
-  if (a8_tiles_run(M, N, group_cols))
-    bytes += Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) + Scratch::size<int32_t>(M * (K / kBlock));
+  if (a8_tiles_run(M, N, group_cols)) bytes += interleave_bytes(M, K, false);
 #else
   (void)N, (void)group_cols;
 #endif
@@ -1497,21 +1505,30 @@ int64_t run_int8_scratch(int64_t M, int64_t K, int64_t N, int64_t groups, int64_
 }
 
 #if defined(FIVEFOLD_A8)
-// a's rows block-major into a.xi, a.di and a.ci (tile_a8's layout), from scratch.
-inline void interleave_rows(Int8Rows& a, int64_t M, Scratch& scratch) {
+// a's rows block-major (the R rows of a block adjacent, so that one pointer per stream walks them)
+// into a.xi and a.di, from scratch; with code_sums (tile_q8) each block's code sums into a.qi (and
+// the half blocks' into a.hi where a has them), else (tile_a8) the symmetric codes' starts into a.ci.
+inline void interleave_rows(Int8Rows& a, int64_t M, Scratch& scratch, bool code_sums) {
   const int64_t blocks = a.blocks;
   int8_t* xi = scratch.take<int8_t>(M * a.K);
   float* di = scratch.take<float>(M * blocks);
-  int32_t* ci = scratch.take<int32_t>(M * blocks);
+  int32_t* sums = scratch.take<int32_t>(M * blocks);
+  int32_t* hi = code_sums && a.half_qsum ? scratch.take<int32_t>(2 * M * blocks) : nullptr;
   for (int64_t blk = 0; blk < blocks; ++blk)
     for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(xi + (blk * M + m) * kBlock, a.xq + m * a.K + blk * kBlock, kBlock);
-      di[blk * M + m] = a.d[m * blocks + blk];
-      ci[blk * M + m] = -(8 / kLanes) * a.qsum[m * blocks + blk];
+      const int64_t from = m * blocks + blk, to = blk * M + m;
+      std::memcpy(xi + to * kBlock, a.xq + m * a.K + blk * kBlock, kBlock);
+      di[to] = a.d[from];
+      sums[to] = code_sums ? a.qsum[from] : -(8 / kLanes) * a.qsum[from];
+      if (hi) {
+        hi[2 * to] = a.half_qsum[2 * from];
+        hi[2 * to + 1] = a.half_qsum[2 * from + 1];
+      }
     }
   a.xi = xi;
   a.di = di;
-  a.ci = ci;
+  (code_sums ? a.qi : a.ci) = sums;
+  a.hi = hi;
   a.rows = M;
 }
 #endif
@@ -1526,7 +1543,7 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   int8_group_sums(xq, d, M, K, group_cols, qsum, xsum);
   auto y = torch::empty({M, N}, options);
   Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, o.groups};
-  if (a8_tiles_run(M, N, group_cols)) interleave_rows(a, M, scratch);
+  if (a8_tiles_run(M, N, group_cols)) interleave_rows(a, M, scratch, /*code_sums=*/false);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
@@ -1651,7 +1668,8 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const int64_t M = x.size(0);
   const bool halves = group_cols == kBlock / 2;  // Q6_K: each half block's code sum too
   Scratch scratch(Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) + Scratch::size<float>(M) +
-                  Scratch::size<int32_t>(M * (K / kBlock)) + Scratch::size<int32_t>(halves ? 2 * M * (K / kBlock) : 0));
+                  Scratch::size<int32_t>(M * (K / kBlock)) + Scratch::size<int32_t>(halves ? 2 * M * (K / kBlock) : 0) +
+                  interleave_bytes(M, K, halves));
   int8_t* const xq = scratch.take<int8_t>(M * K);
   float* const d = scratch.take<float>(M * (K / kBlock));
   quantize_rows(xf.data_ptr<float>(), M, K, xq, d);
@@ -1668,7 +1686,8 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
       half_qsum[h] = sum;
     }
   }
-  const Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, 1, half_qsum};
+  Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, 1, half_qsum};
+  interleave_rows(a, M, scratch, /*code_sums=*/true);
   auto y = torch::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
