@@ -22,12 +22,13 @@ Backends:
            weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales);
            int4-g128 per 128 (what `--quantization w4a16` makes on load, 4.25 bits); q4_0 a scale
            per 32, no minimum
-  stream-a8  int4 only: the same kernel with int8 activations (W4A8: each row quantized per block
-           of 32 inside the call, integer dot products: VNNI vpdpbusd, or vpmaddubsw on AVX2)
+  stream-a8  int4, q4_0, q8_0, q6_k: int8 activations (W4A8, W8A8 as llama.cpp runs Q8_0 and Q6_K:
+           each row quantized per block of 32 inside the call, integer dot products: VNNI
+           vpdpbusd, or vpmaddubsw on AVX2)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,int4-g128,q4_0,q8_0] [--shapes smollm2|llama3b|llama8b]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,int4-g128,q4_0,q8_0,q6_k] [--shapes smollm2|llama3b|llama8b]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -53,15 +54,16 @@ from fivefold.profile.roofline import measure_bandwidth, measure_flops  # noqa: 
 
 HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 INT4_GROUP = 32
-# q8_0: GGUF Q8_0's form, int8 weights with one scale per 32 (the bytes counted: the file's, a
-# float16 scale per block, 8.5 bits per weight)
-# float16 scale per block, 8.5 bits per weight); q4_0: GGUF Q4_0's, symmetric codes with a float16
-# scale per 32 (4.5 bits)
+# q8_0: GGUF Q8_0's form, int8 weights with a float16 scale per 32 in the kernels' tile-major order,
+# as a Q8_0 file's layers hold them (8.5 bits per weight, the file's bytes); q6_k: GGUF Q6_K's as
+# fivefold serves it, codes -32..31 as int8 with a float32 scale per 16 (d x the sub-block's scale,
+# which float16 does not hold: 10 bits per weight streamed, against the file's 6.56); q4_0: GGUF
+# Q4_0's, symmetric codes with a float16 scale per 32 (4.5 bits)
 # int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128);
 # int4-g64: GPTQ's and AWQ's common group (a scale and minimum per 64)
 INT4_GROUPS = {"int4": INT4_GROUP, "int4-g64": 64, "int4-g128": 128, "q4_0": 32}
 BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g64": 0.5 + 4 / 64, "int4-g128": 0.5 + 4 / 128,
-                    "q8_0": 1 + 2 / 32,
+                    "q8_0": 1 + 2 / 32, "q6_k": 1 + 4 / 16,
                     "q4_0": 0.5 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
@@ -101,9 +103,12 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
                              ((torch.rand(n, groups, generator=generator) / 100).half(),
                               None if dtype == "q4_0" else
                               (torch.randn(n, groups, generator=generator) / 10).half())))
-            elif dtype == "q8_0":
+            elif dtype == "q8_0":  # scales float16 holds exactly
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
-                             torch.rand(n, k // 32, generator=generator) / 100))
+                             (torch.rand(n, k // 32, generator=generator) / 100).half().float()))
+            elif dtype == "q6_k":
+                copy.append((torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=generator),
+                             torch.rand(n, k // 16, generator=generator) / 100))
             elif dtype == "int8":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              torch.rand(n, generator=generator) / 100))
@@ -127,13 +132,16 @@ def backends(dtype: str):
         return {"stream": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, False)),
                 "stream-a8": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, True))}
     ops = stream_ops()
-    if dtype == "q8_0":  # float activations (W8A16 with block scales) and int8 ones (as llama.cpp)
+    if dtype in ("q8_0", "q6_k"):  # float activations (W8A16 with block scales) and int8 ones (as llama.cpp)
         found = {}
         if ops is not None:
-            found["stream"] = (lambda w, s: (ops.stream_pack(w), s), lambda x, p: ops.stream_linear(x, p[0], p[1], None))
+            def pack8(w, s):  # Q8_0: the float16 tile-major scales Int8Linear keeps (_pack_scales)
+                return ops.stream_pack(w), (int4_ops().int4_pack_groups(s, True) if dtype == "q8_0" and int4_ops()
+                                            else s)
+
+            found["stream"] = (pack8, lambda x, p: ops.stream_linear(x, p[0], p[1], None))
             if int4_ops() is not None:
-                found["stream-a8"] = (lambda w, s: (ops.stream_pack(w), s),
-                                      lambda x, p: int4_ops().int8_weight_linear_a8(x, p[0], p[1], None))
+                found["stream-a8"] = (pack8, lambda x, p: int4_ops().int8_weight_linear_a8(x, p[0], p[1], None))
         return found
     torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     found = {}
@@ -204,7 +212,7 @@ def main() -> None:
         model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8", "q8_0", *INT4_GROUPS) else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "q8_0", "q6_k", *INT4_GROUPS) else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

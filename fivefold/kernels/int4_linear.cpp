@@ -590,6 +590,20 @@ inline Vec span_params(const at::Half* p, int64_t have, IVec index) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// A 4 x 4 transpose of dwords inside each 128-bit lane: dword j of r[b]'s lane c -> dword b of q[j]'s
+// lane c (4 vectors of 4 channels' 16 bytes of one block each -> lane 4c + b of q[j] holding channel
+// c's bytes 4j..4j + 3 of block b).
+inline void transpose_dwords(const __m512i (&r)[4], __m512i (&q)[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+  q[0] = _mm512_unpacklo_epi64(t0, t2);
+  q[1] = _mm512_unpackhi_epi64(t0, t2);
+  q[2] = _mm512_unpacklo_epi64(t1, t3);
+  q[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
+
 // The code panel of one full tile (its bytes from wt) over spans [s0, s0 + ns): codes [ns][8]
 // vectors, sv and ov [ns] the lanes' group scales and offsets (symmetric: -8 x the scale when
 // with_offset, else ov untouched); lanes of blocks past K hold zeros.
@@ -605,13 +619,10 @@ inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0
     const int64_t blk0 = (s0 + s) * kSpanBlocks;
     IVec* out = codes + s * kSpanVecs;
 #if defined(__AVX512F__)
-    __m512i r[kSpanBlocks];
+    __m512i r[kSpanBlocks], q[4];
     for (int64_t b = 0; b < kSpanBlocks; ++b)
       r[b] = blk0 + b < blocks ? _mm512_loadu_si512(wt + (blk0 + b) * kChannels * kWidth) : _mm512_setzero_si512();
-    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
-    const __m512i q[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                          _mm512_unpackhi_epi64(t1, t3)};
+    transpose_dwords(r, q);
     for (int j = 0; j < 4; ++j) {
       out[j] = lo_nibbles(q[j]);
       out[4 + j] = hi_nibbles(q[j]);
@@ -685,10 +696,12 @@ struct FloatPanel {
 #endif
   using Rows = FloatPanelRows;
   Vec w[kChunkSpans * kBlock];  // [span][column j of the blocks]: lanes Bc + b
-  void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
+  static int64_t tile_bytes(int64_t K) { return kChannels * (K / 2); }
+  // The tile at wt (its first channel n) over spans [s0, s0 + ns).
+  void build(const uint8_t* wt, int64_t blocks, int64_t n, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
     IVec codes[kChunkSpans * kSpanVecs];
     Vec sv[kChunkSpans], ov[kChunkSpans];
-    code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/true, codes, sv, ov);
+    code_panel(wt, blocks, n * o.groups, s0, ns, o, group_cols, /*with_offset=*/true, codes, sv, ov);
     const IVec byte = ivset1(255);
     for (int64_t s = 0; s < ns; ++s)
       for (int64_t t = 0; t < kSpanVecs; ++t)
@@ -740,15 +753,20 @@ inline int64_t a8_panel_min_rows(int64_t group_cols) {
 }
 
 // W4A8: the rows laid out for the panels: xr [M, spans, 8, B] dwords of codes (vector t: block b's
-// 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, B] int32 (symmetric: -8 x each block's
-// code sum, else 0), dv [M, spans, B] (each block's d), dq [M, spans, B] (d x code sum); zeros past K.
+// 4 bytes at columns 4t..4t + 3 in dword b), init [M, spans, B] int32 (-code_offset x each block's
+// code sum: symmetric 4-bit codes 8, int8 weights entering vpdpbusd as w + 128 128, else 0),
+// dv [M, spans, B] (each block's d), dq [M, spans, B] (d x code sum); zeros past K. halves (int8
+// weights in groups of 16, GGUF Q6_K): init from each block's first half's code sum, init2 from its
+// second half's.
 struct Int8PanelRows {
-  std::vector<int32_t> xr, init;
+  std::vector<int32_t> xr, init, init2;
   std::vector<float> dv, dq;
   int64_t spans;
-  Int8PanelRows(const Int8Rows& a, int64_t M, bool symmetric) : spans((a.blocks + kSpanBlocks - 1) / kSpanBlocks) {
+  Int8PanelRows(const Int8Rows& a, int64_t M, int32_t code_offset, bool halves = false)
+      : spans((a.blocks + kSpanBlocks - 1) / kSpanBlocks) {
     xr.resize(M * spans * kSpanVecs * kSpanBlocks);
     init.assign(M * spans * kSpanBlocks, 0);
+    if (halves) init2.assign(M * spans * kSpanBlocks, 0);
     dv.assign(M * spans * kSpanBlocks, 0.f);
     dq.assign(M * spans * kSpanBlocks, 0.f);
 #if defined(__AVX512F__)
@@ -778,9 +796,11 @@ struct Int8PanelRows {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t blk = 0; blk < a.blocks; ++blk) {
         const int64_t s = blk / kSpanBlocks, b = blk % kSpanBlocks, at = (m * spans + s) * kSpanBlocks + b;
-        const int32_t qs = a.qsum[m * a.blocks + blk];
-        const float d = a.d[m * a.blocks + blk];
-        init[at] = symmetric ? -8 * qs : 0;
+        const int64_t from = m * a.blocks + blk;
+        const int32_t qs = a.qsum[from];
+        const float d = a.d[from];
+        init[at] = -code_offset * (halves ? a.half_qsum[2 * from] : qs);
+        if (halves) init2[at] = -code_offset * a.half_qsum[2 * from + 1];
         dv[at] = d;
         dq[at] = d * static_cast<float>(qs);
       }
@@ -797,11 +817,13 @@ struct Int8Panel {
   using Rows = Int8PanelRows;
   IVec codes[kChunkSpans * kSpanVecs];
   Vec sv[kChunkSpans], ov[kChunkSpans];
-  void build(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
-    code_panel(wt, blocks, st, s0, ns, o, group_cols, /*with_offset=*/false, codes, sv, ov);
+  static int64_t tile_bytes(int64_t K) { return kChannels * (K / 2); }
+  void build(const uint8_t* wt, int64_t blocks, int64_t n, int64_t s0, int64_t ns, const Operands& o, int64_t group_cols) {
+    code_panel(wt, blocks, n * o.groups, s0, ns, o, group_cols, /*with_offset=*/false, codes, sv, ov);
   }
-  template <int R, int T, bool Symmetric>
-  static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const Int8Panel* p, Vec (&f)[R][T]) {
+  // Q: Int8Panel, or (AVX-512 VNNI, Symmetric) Int8WeightPanel<false>: codes and sv alike.
+  template <int R, int T, bool Symmetric, class Q>
+  static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const Q* p, Vec (&f)[R][T]) {
 #if !defined(__AVX512F__)
     // AVX2: vpmaddubsw sums each lane's code pairs times activations into int16; the 8 vectors of a
     // span (a block's 32 columns per lane) stay in int16: a pair is at most 2 x 15 x 127 = 3810, so
@@ -899,17 +921,18 @@ inline void panel_rest(int64_t rest, const typename P::Rows& a, int64_t m, int64
 
 // Rows [m0, m0 + rows) against the kPanelTiles full tiles from channel n (their bytes from wt):
 // every chunk of spans, then each channel's 4 lanes summed (plus the bias) into y.
-template <class P, bool Symmetric>
+// o: the weights' operands as P::build takes them (o.bias: [N] or null).
+template <class P, bool Symmetric, class Ops>
 void panel_tiles(const typename P::Rows& a, int64_t K, int64_t m0, int64_t rows, const uint8_t* wt, int64_t n, float* y,
-                 int64_t N, const Operands& o, int64_t group_cols) {
+                 int64_t N, const Ops& o, int64_t group_cols) {
   constexpr int T = kPanelTiles;
   P panels[T];
   alignas(64) float acc[kPanelRowBlock * T * kWidth];
-  const int64_t tile_bytes = kChannels * (K / 2), blocks = K / kBlock;
+  const int64_t tile_bytes = P::tile_bytes(K), blocks = K / kBlock;
   for (int64_t s0 = 0; s0 < a.spans; s0 += P::kChunkSpans) {
     const int64_t ns = std::min(P::kChunkSpans, a.spans - s0);
     for (int tt = 0; tt < T; ++tt)
-      panels[tt].build(wt + tt * tile_bytes, blocks, (n + tt * kChannels) * o.groups, s0, ns, o, group_cols);
+      panels[tt].build(wt + tt * tile_bytes, blocks, n + tt * kChannels, s0, ns, o, group_cols);
     const bool first = s0 == 0;
     int64_t r = 0;
     for (; r + P::kRows <= rows; r += P::kRows) panel_rows<P, P::kRows, T, Symmetric>(a, m0 + r, s0, ns, panels, acc, r, first);
@@ -928,10 +951,10 @@ void panel_tiles(const typename P::Rows& a, int64_t K, int64_t m0, int64_t rows,
 
 // The pairs of full tiles against all M rows (threads split the pairs and blocks of 64 rows);
 // returns the channels done (the rest: an odd tile, the narrow last one).
-template <class P, bool Symmetric>
+template <class P, bool Symmetric, class Ops>
 int64_t run_panels(const typename P::Rows& a, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* y,
-                   const Operands& o, int64_t group_cols) {
-  const int64_t units = N / (kChannels * kPanelTiles), tile_bytes = kChannels * (K / 2);
+                   const Ops& o, int64_t group_cols) {
+  const int64_t units = N / (kChannels * kPanelTiles), tile_bytes = P::tile_bytes(K);
 #pragma omp parallel for schedule(static) collapse(2) if (N * K > (1 << 15))
   for (int64_t u = 0; u < units; ++u)
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock)
@@ -1114,6 +1137,134 @@ inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t 
   if (scale.f16) rows_q8<true, C>(a, M, wt, n, y, N, scale, group_cols, bias);
   else rows_q8<false, C>(a, M, wt, n, y, N, scale, group_cols, bias);
 }
+
+#if defined(__AVX512VNNI__)
+#define FIVEFOLD_Q8_PANELS 1
+// int8 weights from a few rows (AVX-512 VNNI): the panels above with int8 weights. tile_q8 converts
+// and scales every block's sums per row and tile (2 vpdpbusd per conversion, FMA and broadcasts),
+// so from 4 rows it ran compute-bound: on SmolLM2's shapes at 64 rows 1.7x slower than Q4_0's
+// panels. Here a span's 8 steps of a tile (4 blocks x 2 steps of 16 columns) take the same dword
+// transpose as the 4-bit codes, vector t = 4h + j holding in lane 4c + b channel c's bytes
+// 4j..4j + 3 of step h of block b, i.e. columns 4t..4t + 3 of the block, as w + 128 (an XOR of the
+// sign bit: vpdpbusd's unsigned operand); the 128 x sum(xq) this adds is folded out by each lane's
+// starting value, -128 x the block's code sum (Int8PanelRows' code_offset). The lanes' scales (a
+// channel's scale of block b's group) multiply d_b once per span and row. Groups of 16 (Halves,
+// GGUF Q6_K): vectors 0-3 are a block's first 16 columns, 4-7 its second, each half summed from its
+// own start and scaled by its own group's scale.
+struct Q8Operands {
+  Q8Scales scale;
+  const float* bias;  // [N] or null
+};
+
+// Rows from which int8 weights take the panels. Cold weights (benchmarks/linear_stream.py --shapes
+// llama8b, stream-a8, tiles against panels, two runs each, Zen 4), ms per pass: Q8_0's form 8 rows
+// 27.0 against 30.0, 10 rows 34.3 against 33.0, 16 rows 51 against 41, 64 rows 185 against 105;
+// Q6_K's (groups of 16) 8 rows 43.3 against 48.5, 10 rows 53.0 against 51.8, 16 rows 80 against
+// 60, 64 rows 300 against 145. Below 10 rows the panels' transposes, not the weights' bytes, set
+// their time (4 rows: 25 ms against the tiles' 16.6).
+constexpr int64_t kQ8PanelMinRows = 10;
+
+template <bool Halves>
+struct Int8WeightPanel {
+  static constexpr int64_t kChunkSpans = 1024 / kSpanCols;  // 1024 columns: a tile's bytes 4 KB
+  static constexpr int kRows = 4;                           // 8 int32 + 8 float accumulators, 2 weight vectors
+  using Rows = Int8PanelRows;
+  IVec codes[kChunkSpans * kSpanVecs];
+  Vec sv[kChunkSpans], sv2[Halves ? kChunkSpans : 1];  // the lanes' scales (sv2: of the second halves)
+  static int64_t tile_bytes(int64_t K) { return kChannels * K; }
+  void build(const uint8_t* wt, int64_t blocks, int64_t n, int64_t s0, int64_t ns, const Q8Operands& o,
+             int64_t group_cols) {
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t s = 0; s < ns; ++s) {
+      const int64_t blk0 = (s0 + s) * kSpanBlocks;
+      const uint8_t* span_bytes = wt + blk0 * kQ8Steps * kChannels * kWidth;
+      for (int64_t line = 0; line < kSpanBlocks * kQ8Steps; ++line)  // the next chunk's span: 8 cache lines
+        _mm_prefetch(reinterpret_cast<const char*>(span_bytes) + kAheadBytes + 64 * line, _MM_HINT_T0);
+      for (int64_t h = 0; h < kQ8Steps; ++h) {
+        __m512i r[kSpanBlocks], q[4];
+        for (int64_t b = 0; b < kSpanBlocks; ++b)
+          r[b] = blk0 + b < blocks ? _mm512_loadu_si512(wt + ((blk0 + b) * kQ8Steps + h) * kChannels * kWidth)
+                                   : _mm512_setzero_si512();
+        transpose_dwords(r, q);
+        for (int j = 0; j < 4; ++j) codes[s * kSpanVecs + 4 * h + j] = _mm512_xor_si512(q[j], sign);
+      }
+      sv[s] = span_scales(o.scale, n, blk0, blocks, group_cols, 0);
+      if constexpr (Halves) sv2[s] = span_scales(o.scale, n, blk0, blocks, group_cols, 1);
+    }
+  }
+  // Lane 4c + b: channel n + c's scale for block blk0 + b (its half `half` with groups of 16), 0 past
+  // K. Permutes of the float16 tile-major table, gathers from the float32 one: built from scalars
+  // (c10's float16 conversion, a store, a load) the panels took 60 us for 4 rows of 1536 x 576 in
+  // cache (Q8_0's form), against 43 us this way.
+  static Vec span_scales(const Q8Scales& sc, int64_t n, int64_t blk0, int64_t blocks, int64_t group_cols, int half) {
+    const int64_t nb = std::min<int64_t>(kSpanBlocks, blocks - blk0);
+    const __mmask16 live = static_cast<__mmask16>(0x1111 * ((1u << nb) - 1));
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i c = _mm512_srli_epi32(lane, 2), b = _mm512_and_si512(lane, _mm512_set1_epi32(3));
+    const bool halves = group_cols == kBlock / 2, per_block = group_cols == kBlock, one = sc.groups == 1;
+    if (sc.f16 && (halves || per_block)) {
+      // groups from g0 = blk0 (or 2 blk0), kChannels values each: element 4 (group - g0) + c
+      const int64_t g0 = halves ? 2 * blk0 : blk0, have = std::min<int64_t>(2 * kWidth, (sc.groups - g0) * kChannels);
+      const at::Half* p = sc.f16 + n * sc.groups + g0 * kChannels;
+      const auto part = [&](int64_t from) {
+        const int64_t k = std::clamp<int64_t>(have - from, 0, kWidth);
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << k) - 1), p + from));
+      };
+      const __m512i index = halves ? _mm512_add_epi32(_mm512_slli_epi32(b, 3), _mm512_add_epi32(c, _mm512_set1_epi32(4 * half)))
+                                   : _mm512_add_epi32(_mm512_slli_epi32(b, 2), c);
+      return _mm512_maskz_permutex2var_ps(live, part(0), index, part(kWidth));
+    }
+    if (!sc.f16 && (halves || per_block || one)) {
+      const __m512i group = one ? _mm512_setzero_si512()
+                          : halves ? _mm512_add_epi32(_mm512_slli_epi32(b, 1), _mm512_set1_epi32(static_cast<int32_t>(2 * blk0 + half)))
+                                   : _mm512_add_epi32(b, _mm512_set1_epi32(static_cast<int32_t>(blk0)));
+      const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(c, _mm512_set1_epi32(static_cast<int32_t>(sc.groups))), group);
+      return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, sc.f32 + n * sc.groups, 4);
+    }
+    alignas(64) float lanes[kWidth] = {};  // other group sizes (and float16 per channel): rare, scalars
+    for (int ci = 0; ci < kChannels; ++ci)
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        const int64_t grp = halves ? 2 * (blk0 + bi) + half : (blk0 + bi) * kBlock / group_cols;
+        lanes[kSpanBlocks * ci + bi] = sc.f16 ? static_cast<float>(sc.f16[n * sc.groups + grp * kChannels + ci])
+                                              : sc.f32[(n + ci) * sc.groups + grp];
+      }
+    return vload(lanes);
+  }
+  template <int R, int T, bool Symmetric>
+  static void rows(const Rows& a, int64_t m, int64_t s0, int64_t ns, const Int8WeightPanel* p, Vec (&f)[R][T]) {
+    if constexpr (!Halves) {
+      Int8Panel::rows<R, T, true>(a, m, s0, ns, p, f);
+    } else {  // groups of 16: each half's 4 vectors from its own start (a.init, a.init2), scaled by sv, sv2
+      for (int64_t s = 0; s < ns; ++s) {
+        const int64_t span = s0 + s;
+        const int32_t* x[R];
+        for (int r = 0; r < R; ++r) x[r] = a.xr.data() + ((m + r) * a.spans + span) * kSpanVecs * kSpanBlocks;
+        for (int half = 0; half < 2; ++half) {
+          const int32_t* start = (half ? a.init2 : a.init).data();
+          __m512i i[R][T];
+          for (int r = 0; r < R; ++r) {
+            const __m512i init = bcast4(start + ((m + r) * a.spans + span) * kSpanBlocks);
+            for (int tt = 0; tt < T; ++tt) i[r][tt] = init;
+          }
+          for (int64_t t = 4 * half; t < 4 * half + 4; ++t) {
+            __m512i w[T];
+            for (int tt = 0; tt < T; ++tt) w[tt] = p[tt].codes[s * kSpanVecs + t];
+            for (int r = 0; r < R; ++r) {
+              const __m512i xt = bcast4(x[r] + t * kSpanBlocks);
+              for (int tt = 0; tt < T; ++tt) i[r][tt] = _mm512_dpbusd_epi32(i[r][tt], w[tt], xt);
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const Vec d = bcast_span(a.dv.data() + ((m + r) * a.spans + span) * kSpanBlocks);
+            for (int tt = 0; tt < T; ++tt)
+              f[r][tt] = vfma(_mm512_cvtepi32_ps(i[r][tt]), _mm512_mul_ps(d, half ? p[tt].sv2[s] : p[tt].sv[s]), f[r][tt]);
+          }
+        }
+      }
+    }
+  }
+};
+#endif
 #endif
 
 // Each row's blocks of kBlock columns to int8: d = amax / 127, q = round(x / d) (ties to even),
@@ -1549,7 +1700,7 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
 #if defined(FIVEFOLD_A8_PANELS)
   if (M >= a8_panel_min_rows(group_cols)) {
-    const Int8PanelRows rows(a, M, /*symmetric=*/!o.offset);
+    const Int8PanelRows rows(a, M, /*code_offset=*/o.offset ? 0 : 8);
     n0 = o.offset ? run_panels<Int8Panel, false>(rows, M, K, wp, N, yp, o, group_cols)
                   : run_panels<Int8Panel, true>(rows, M, K, wp, N, yp, o, group_cols);
   }
@@ -1667,9 +1818,15 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = x.size(0);
   const bool halves = group_cols == kBlock / 2;  // Q6_K: each half block's code sum too
+#if defined(FIVEFOLD_Q8_PANELS)
+  // the panels take the pairs of full tiles from kQ8PanelMinRows rows; tile_q8 the rest
+  const bool panels = M >= kQ8PanelMinRows, tiles = !panels || N % (kChannels * kPanelTiles) != 0;
+#else
+  const bool tiles = true;
+#endif
   Scratch scratch(Scratch::size<int8_t>(M * K) + Scratch::size<float>(M * (K / kBlock)) + Scratch::size<float>(M) +
                   Scratch::size<int32_t>(M * (K / kBlock)) + Scratch::size<int32_t>(halves ? 2 * M * (K / kBlock) : 0) +
-                  interleave_bytes(M, K, halves));
+                  (tiles ? interleave_bytes(M, K, halves) : 0));
   int8_t* const xq = scratch.take<int8_t>(M * K);
   float* const d = scratch.take<float>(M * (K / kBlock));
   quantize_rows(xf.data_ptr<float>(), M, K, xq, d);
@@ -1687,15 +1844,27 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
     }
   }
   Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, 1, half_qsum};
-  interleave_rows(a, M, scratch, /*code_sums=*/true);
   auto y = torch::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const Q8Scales sp{half ? nullptr : sc.data_ptr<float>(), half ? sc.data_ptr<at::Half>() : nullptr, groups};
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  for_each_tile(N, K, K, [&](auto c, int64_t byte0, int64_t n) {
-    channels_q8<decltype(c)::value>(a, M, wp + byte0, n, yp, N, sp, group_cols, bp);
-  });
+  int64_t n0 = 0;  // channels the panels did
+#if defined(FIVEFOLD_Q8_PANELS)
+  if (panels) {
+    const Int8PanelRows rows(a, M, /*code_offset=*/128, halves);
+    const Q8Operands o{sp, bp};
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(wp);
+    n0 = halves ? run_panels<Int8WeightPanel<true>, true>(rows, M, K, wb, N, yp, o, group_cols)
+                : run_panels<Int8WeightPanel<false>, true>(rows, M, K, wb, N, yp, o, group_cols);
+  }
+#endif
+  if (tiles) {
+    interleave_rows(a, M, scratch, /*code_sums=*/true);
+    for_each_tile(N - n0, K, K, [&](auto c, int64_t byte0, int64_t n) {
+      channels_q8<decltype(c)::value>(a, M, wp + n0 * K + byte0, n0 + n, yp, N, sp, group_cols, bp);
+    });
+  }
   return y;
 #else
   TORCH_CHECK(false, "int8_weight_linear_a8: this build has no integer dot product (AVX2 or AVX-512BW)");

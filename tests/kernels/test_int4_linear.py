@@ -176,12 +176,15 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric, rows):
     assert torch.equal(y.double(), want.double())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (67, 576, 32), (6, 256, None), (3, 96, 32), (67, 576, 16),
-                                       (3, 96, 16)])
+                                       (3, 96, 16), (16, 256, None), (24, 576, 64), (19, 2080, 32), (16, 2080, 16)])
 def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
     """fivefold::int8_weight_linear_a8 (a GGUF's Q8_0 or Q6_K served as stored): stream_pack's int8
-    weights, a scale per group of 32, of 16 or per channel, times the rows quantized per block of 32."""
+    weights, a scale per group of 32, of 16 or per channel, times the rows quantized per block of 32.
+    With AVX-512 VNNI, pairs of full tiles take the panels from 10 rows (17, 64, 70; tile_q8 the
+    rest): K = 2080 is three chunks of spans, the last span part-filled, as K = 576's is; 70 rows
+    two blocks of rows."""
     from fivefold.kernels import stream_ops
 
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -195,27 +198,34 @@ def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 12])
+@pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("n,k", [(67, 576), (3, 96), (8, 1024)])
-def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k):
+def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k, group):
     """Group scales float16 holds exactly, passed in int4_pack_groups' tile-major order (how a
     GGUF's Q8_0 layer holds them), give bit for bit what the float32 row-major table gives, in both
-    the int8-activation kernel and the float one (stream_linear), narrow last tiles included."""
+    the int8-activation kernel and the float one (stream_linear), narrow last tiles included; 12 rows
+    take the panels with AVX-512 VNNI, which read the two tables differently (permutes, gathers).
+    Groups of 16 (Q6_K's, when float16 holds its scales) through tile_q8: equal within rounding."""
     from fivefold.kernels import stream_ops
 
     gen = torch.Generator().manual_seed(rows * n + k)
     w = stream_ops().stream_pack(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen))
-    scale = (torch.rand(n, k // 32, generator=gen) / 50).half().float()
+    scale = (torch.rand(n, k // group, generator=gen) / 50).half().float()
     packed = int4_ops().int4_pack_groups(scale, True)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen)
-    assert torch.equal(int4_ops().int8_weight_linear_a8(x, w, packed, bias),
-                       int4_ops().int8_weight_linear_a8(x, w, scale, bias))
+    y16, y32 = int4_ops().int8_weight_linear_a8(x, w, packed, bias), int4_ops().int8_weight_linear_a8(x, w, scale, bias)
+    if group == 32:
+        assert torch.equal(y16, y32)
+    else:  # tile_q8's two half-block sums: the build may contract them in either order
+        torch.testing.assert_close(y16, y32, rtol=1e-6, atol=1e-6)
     assert torch.equal(stream_ops().stream_linear(x, w, packed, bias), stream_ops().stream_linear(x, w, scale, bias))
 
 
+@pytest.mark.parametrize("rows", [4, 12])
 @pytest.mark.parametrize("group", [32, 16])
-def test_int8_weight_sums_are_exact_on_saturating_operands(group):
+def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
     """Weights -128 and 127 against activations -127 and 127 (every block's amax 127, so d = 1),
     scales 1: the int64 dot product exactly. VNNI adds 128 to each weight and folds 128 x sum(x)
     back out; AVX2 multiplies |w| by x * sign(w), whose pairs stay under 32767 even at w = -128."""
@@ -230,6 +240,7 @@ def test_int8_weight_sums_are_exact_on_saturating_operands(group):
     x[2, ::2] = -127
     x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(2)).float()
     x[3, ::32] = 127
+    x = x.repeat(3, 1)[:rows]  # 4 rows: tile_q8; 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
     # groups of 16 (Q6_K): each half block its own dot product, VNNI's +128 folded per half
     y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // group), None)
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
