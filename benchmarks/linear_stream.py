@@ -56,14 +56,14 @@ HIDDEN, INTERMEDIATE, NUM_LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 INT4_GROUP = 32
 # q8_0: GGUF Q8_0's form, int8 weights with a float16 scale per 32 in the kernels' tile-major order,
 # as a Q8_0 file's layers hold them (8.5 bits per weight, the file's bytes); q6_k: GGUF Q6_K's as
-# fivefold serves it, codes -32..31 as int8 with a float32 scale per 16 (d x the sub-block's scale,
-# which float16 does not hold: 10 bits per weight streamed, against the file's 6.56); q4_0: GGUF
-# Q4_0's, symmetric codes with a float16 scale per 32 (4.5 bits)
+# fivefold serves it, codes -32..31 as int8 with a float16 scale per 16 in the same order (d x the
+# sub-block's scale rounded to float16: 9 bits per weight streamed, against the file's 6.56); q4_0:
+# GGUF Q4_0's, symmetric codes with a float16 scale per 32 (4.5 bits)
 # int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128);
 # int4-g64: GPTQ's and AWQ's common group (a scale and minimum per 64)
 INT4_GROUPS = {"int4": INT4_GROUP, "int4-g64": 64, "int4-g128": 128, "q4_0": 32}
 BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g64": 0.5 + 4 / 64, "int4-g128": 0.5 + 4 / 128,
-                    "q8_0": 1 + 2 / 32, "q6_k": 1 + 4 / 16,
+                    "q8_0": 1 + 2 / 32, "q6_k": 1 + 2 / 16,
                     "q4_0": 0.5 + 2 / 32}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
@@ -108,7 +108,7 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
                              (torch.rand(n, k // 32, generator=generator) / 100).half().float()))
             elif dtype == "q6_k":
                 copy.append((torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=generator),
-                             torch.rand(n, k // 16, generator=generator) / 100))
+                             (torch.rand(n, k // 16, generator=generator) / 100).half().float()))
             elif dtype == "int8":
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              torch.rand(n, generator=generator) / 100))
@@ -135,9 +135,8 @@ def backends(dtype: str):
     if dtype in ("q8_0", "q6_k"):  # float activations (W8A16 with block scales) and int8 ones (as llama.cpp)
         found = {}
         if ops is not None:
-            def pack8(w, s):  # Q8_0: the float16 tile-major scales Int8Linear keeps (_pack_scales)
-                return ops.stream_pack(w), (int4_ops().int4_pack_groups(s, True) if dtype == "q8_0" and int4_ops()
-                                            else s)
+            def pack8(w, s):  # the float16 tile-major scales Int8Linear keeps (_pack_scales)
+                return ops.stream_pack(w), int4_ops().int4_pack_groups(s, True) if int4_ops() else s
 
             found["stream"] = (pack8, lambda x, p: ops.stream_linear(x, p[0], p[1], None))
             if int4_ops() is not None:

@@ -1156,13 +1156,14 @@ struct Q8Operands {
   const float* bias;  // [N] or null
 };
 
-// Rows from which int8 weights take the panels. Cold weights (benchmarks/linear_stream.py --shapes
-// llama8b, stream-a8, tiles against panels, two runs each, Zen 4), ms per pass: Q8_0's form 8 rows
-// 27.0 against 30.0, 10 rows 34.3 against 33.0, 16 rows 51 against 41, 64 rows 185 against 105;
-// Q6_K's (groups of 16) 8 rows 43.3 against 48.5, 10 rows 53.0 against 51.8, 16 rows 80 against
-// 60, 64 rows 300 against 145. Below 10 rows the panels' transposes, not the weights' bytes, set
-// their time (4 rows: 25 ms against the tiles' 16.6).
-constexpr int64_t kQ8PanelMinRows = 10;
+// Rows from which int8 weights take the panels (halves: groups of 16). Cold weights
+// (benchmarks/linear_stream.py --shapes llama8b, stream-a8, float16 scales as the layers hold them,
+// tiles against panels, two runs each, Zen 4), ms per pass: Q8_0's form 8 rows 27.0 against 30.0,
+// 10 rows 34.3 against 33.0, 16 rows 51 against 41, 64 rows 185 against 105; Q6_K's 6 rows 28.7
+// against 30.5, 8 rows 36.9 against 32.9, 16 rows 72 against 47, 64 rows 285 against 130 (tile_q8
+// takes two dot products per block there). Below these the panels' transposes, not the weights'
+// bytes, set their time (Q8_0's form at 4 rows: 25 ms against the tiles' 16.6).
+inline int64_t q8_panel_min_rows(bool halves) { return halves ? 8 : 10; }
 
 template <bool Halves>
 struct Int8WeightPanel {
@@ -1819,8 +1820,8 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const int64_t M = x.size(0);
   const bool halves = group_cols == kBlock / 2;  // Q6_K: each half block's code sum too
 #if defined(FIVEFOLD_Q8_PANELS)
-  // the panels take the pairs of full tiles from kQ8PanelMinRows rows; tile_q8 the rest
-  const bool panels = M >= kQ8PanelMinRows, tiles = !panels || N % (kChannels * kPanelTiles) != 0;
+  // the panels take the pairs of full tiles from q8_panel_min_rows; tile_q8 the rest
+  const bool panels = M >= q8_panel_min_rows(halves), tiles = !panels || N % (kChannels * kPanelTiles) != 0;
 #else
   const bool tiles = true;
 #endif

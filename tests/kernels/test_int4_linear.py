@@ -182,8 +182,8 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric, rows):
 def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
     """fivefold::int8_weight_linear_a8 (a GGUF's Q8_0 or Q6_K served as stored): stream_pack's int8
     weights, a scale per group of 32, of 16 or per channel, times the rows quantized per block of 32.
-    With AVX-512 VNNI, pairs of full tiles take the panels from 10 rows (17, 64, 70; tile_q8 the
-    rest): K = 2080 is three chunks of spans, the last span part-filled, as K = 576's is; 70 rows
+    With AVX-512 VNNI, pairs of full tiles take the panels from 10 rows, 8 for groups of 16 (17, 64,
+    70; tile_q8 the rest): K = 2080 is three chunks of spans, the last span part-filled, as K = 576's is; 70 rows
     two blocks of rows."""
     from fivefold.kernels import stream_ops
 
