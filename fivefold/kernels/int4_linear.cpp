@@ -1150,7 +1150,10 @@ inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t 
 // starting value, -128 x the block's code sum (Int8PanelRows' code_offset). The lanes' scales (a
 // channel's scale of block b's group) multiply d_b once per span and row. Groups of 16 (Halves,
 // GGUF Q6_K): vectors 0-3 are a block's first 16 columns, 4-7 its second, each half summed from its
-// own start and scaled by its own group's scale.
+// own start and scaled by its own group's scale. AVX2 keeps tile_q8: the same panels with
+// llama.cpp's sign trick (|w| and w kept, vpsignb + vpmaddubsw + vpmaddwd + vpaddd per vector and
+// row) ran 8B shapes at 0.55x the tiles at 4 rows, 0.87x at 16 and 1.1-1.2x at 64 (AVX2 forced on
+// Zen 4): the sign trick costs the panels what it costs the tiles, and the transposes are extra.
 struct Q8Operands {
   Q8Scales scale;
   const float* bias;  // [N] or null
