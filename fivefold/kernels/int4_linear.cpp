@@ -919,6 +919,12 @@ inline void panel_rest(int64_t rest, const typename P::Rows& a, int64_t m, int64
   }
 }
 
+// Whether the per-tile kernels run beside the panels (which take min_rows rows and more): for
+// every channel below that, else for those past the last pair of full tiles.
+inline bool tiles_beside_panels(int64_t M, int64_t N, int64_t min_rows) {
+  return M < min_rows || N % (kChannels * kPanelTiles) != 0;
+}
+
 // Rows [m0, m0 + rows) against the kPanelTiles full tiles from channel n (their bytes from wt):
 // every chunk of spans, then each channel's 4 lanes summed (plus the bias) into y.
 // o: the weights' operands as P::build takes them (o.bias: [N] or null).
@@ -1239,6 +1245,8 @@ struct Int8WeightPanel {
     if constexpr (!Halves) {
       Int8Panel::rows<R, T, true>(a, m, s0, ns, p, f);
     } else {  // groups of 16: each half's 4 vectors from its own start (a.init, a.init2), scaled by sv, sv2
+      // the dot products as Int8Panel::rows's, per half: one helper for both ran Q8_0's form on 8B
+      // shapes at 64 rows in 121 ms a pass against 106-108 (alternated twice), so the loop is twice
       for (int64_t s = 0; s < ns; ++s) {
         const int64_t span = s0 + s;
         const int32_t* x[R];
@@ -1635,7 +1643,7 @@ torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operand
 // pair of tiles. Only then are the rows laid out block-major (interleave_rows).
 inline bool a8_tiles_run(int64_t M, int64_t N, int64_t group_cols) {
 #if defined(FIVEFOLD_A8_PANELS)
-  return M < a8_panel_min_rows(group_cols) || N % (kChannels * kPanelTiles) != 0;
+  return tiles_beside_panels(M, N, a8_panel_min_rows(group_cols));
 #else
   (void)M, (void)N, (void)group_cols;
   return true;
@@ -1824,7 +1832,7 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const bool halves = group_cols == kBlock / 2;  // Q6_K: each half block's code sum too
 #if defined(FIVEFOLD_Q8_PANELS)
   // the panels take the pairs of full tiles from q8_panel_min_rows; tile_q8 the rest
-  const bool panels = M >= q8_panel_min_rows(halves), tiles = !panels || N % (kChannels * kPanelTiles) != 0;
+  const bool panels = M >= q8_panel_min_rows(halves), tiles = tiles_beside_panels(M, N, q8_panel_min_rows(halves));
 #else
   const bool tiles = true;
 #endif
