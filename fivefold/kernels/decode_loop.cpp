@@ -28,7 +28,8 @@
 // fivefold::int4_pack's layout) always runs fivefold::int4_linear: its scale, its bias, and in the
 // last slot its group offsets (empty: symmetric); every 4-bit linear of the model takes float or
 // int8 activations alike (`int4_int8_activations`), and so does every int8 one
-// (`int8_int8_activations`: fivefold::int8_weight_linear_a8, a GGUF's Q8_0 served as stored).
+// (`int8_int8_activations`: fivefold::int8_weight_linear_a8, a GGUF's Q8_0 served as stored, or
+// its Q6_K at 6 bits: q6_pack's uint8 weight).
 // A layer's fifth linear is the second row block of a qkv projection held in two forms (a
 // Q4_K_M file: q and k 4-bit, v int8; SplitLinear), or four empty tensors.
 #include <torch/extension.h>
@@ -87,6 +88,8 @@ struct LinearArgs {
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t base, const LinearArgs& a) {
   const int64_t stream_max_rows = a.stream_max_rows;
   const torch::Tensor &w = t[base], &scale = t[base + 1], &bias = t[base + 2], &large = t[base + 3];
+  if (w.scalar_type() == torch::kUInt8 && w.dim() == 2)  // q6_pack's 6-bit weights: int8 activations only
+    return call(ops().int8_a8, {x, w, scale, maybe(bias)})[0].toTensor();
   if (w.scalar_type() == torch::kInt8)
     return call(a.int8_int8_activations ? ops().int8_a8 : ops().int8_stream, {x, w, scale, maybe(bias)})[0].toTensor();
   if (w.scalar_type() == torch::kUInt8)

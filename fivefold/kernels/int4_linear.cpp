@@ -984,12 +984,61 @@ int64_t run_panels(const typename P::Rows& a, int64_t M, int64_t K, const uint8_
 #if defined(FIVEFOLD_A8)
 constexpr int64_t kQ8Steps = kBlock / kWidth;  // steps of W columns per activation block
 
-template <int C>
+// Six-bit weights (q6_pack: GGUF Q6_K's codes w in [-32, 31] kept at 6 bits, as the file holds
+// them, where int8 took 9 bits with the scales against the file's 6.56): each step's byte vector
+// of S = C W bytes holds u = w + 32 as S / 2 bytes of nibbles (byte i: u_i's low 4 bits, u_{i+S/2}'s
+// in its high 4) and S / 4 bytes of the top 2 bits (byte i: u_{i + qS/4}'s at bits 2q, 2q + 1). u
+// is unsigned and at most 63, so it enters vpdpbusd as it is (the 32 x sum(xq) folded out by the
+// lanes' start, as the +128 of the int8 form), and vpmaddubsw cannot saturate on it (a pair is at
+// most 2 x 63 x 128 = 16128): no sign trick without VNNI either.
+constexpr int64_t kSixStepBytes = 3 * kChannels * kWidth / 4;  // a full tile's step of 6-bit weights
+
+// A step's S bytes u = w + 32 from its 3S/4 stored bytes (full tiles only).
+inline IVec six_load(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i nibbles = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi16(lo, 4), 1),
+                                           _mm512_set1_epi8(15));
+  // the S/4 bytes of top bits into each 128-bit lane q, shifted right by 2q there
+  const __m512i top = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+  const __m512i bits = _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6)), _mm512_set1_epi8(3));
+  return _mm512_or_si512(nibbles, _mm512_slli_epi16(bits, 4));
+#else
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(15));
+  int64_t top8;
+  std::memcpy(&top8, p + 16, 8);
+  const __m256i bits = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(top8), _mm256_setr_epi64x(0, 2, 4, 6)),
+                                        _mm256_set1_epi8(3));
+  return _mm256_or_si256(nibbles, _mm256_slli_epi16(bits, 4));
+#endif
+}
+
+// Bytes of a tile's step: int8 weights C W, 6-bit ones 3/4 of a full tile's.
+template <int C, bool Six>
+constexpr int64_t q8_step_bytes() { return Six ? kSixStepBytes : C * kWidth; }
+
+// The offset each weight byte enters the unsigned dot products with: int8 weights w + 128 (VNNI;
+// none for the sign trick), 6-bit ones w + 32 on every ISA.
+template <bool Six>
+constexpr int32_t q8_code_offset() {
+#if defined(__AVX512VNNI__)
+  return Six ? 32 : 128;
+#else
+  return Six ? 32 : 0;
+#endif
+}
+
+template <int C, bool Six = false>
 struct BlockBytes {
+  static_assert(!Six || C == kChannels, "6-bit weights come in full tiles");
   IVec v[kQ8Steps];
   explicit BlockBytes(const int8_t* p) {
-    for (int64_t t = 0; t < kQ8Steps; ++t, p += C * kWidth) {
-      if constexpr (C == kChannels) {
+    for (int64_t t = 0; t < kQ8Steps; ++t, p += q8_step_bytes<C, Six>()) {
+      if constexpr (Six) {
+        v[t] = six_load(reinterpret_cast<const uint8_t*>(p));
+        continue;
+      } else if constexpr (C == kChannels) {
         v[t] = wload(reinterpret_cast<const uint8_t*>(p));
       } else {
         alignas(64) int8_t buf[kChannels * kWidth] = {};
@@ -1004,31 +1053,41 @@ struct BlockBytes {
 };
 
 // Steps [T0, T1) of a block (all of it, or one half of 16 columns for Q6_K's groups); qsum: the
-// sum of the codes of those columns (the VNNI path's fold of the +128).
-template <int C, int T0 = 0, int T1 = kQ8Steps>
-inline IVec block_dot_q8(const BlockBytes<C>& b, const int8_t* xq, int32_t qsum) {
+// sum of the activation codes of those columns (the fold of the weights' offset).
+template <int C, int T0 = 0, int T1 = kQ8Steps, bool Six = false>
+inline IVec block_dot_q8(const BlockBytes<C, Six>& b, const int8_t* xq, int32_t qsum) {
 #if defined(__AVX512VNNI__)
-  IVec acc = _mm512_set1_epi32(-(128 / kLanes) * qsum);
+  IVec acc = _mm512_set1_epi32(-(q8_code_offset<Six>() / kLanes) * qsum);
   for (int64_t t = T0; t < T1; ++t) acc = _mm512_dpbusd_epi32(acc, b.v[t], xbroadcast(xq + t * kWidth));
   return acc;
 #elif defined(__AVX512F__)
-  IVec acc = _mm512_setzero_si512();
+  IVec acc = _mm512_set1_epi32(-(q8_code_offset<Six>() / kLanes) * qsum);
+  if constexpr (Six) {
+    for (int64_t t = T0; t < T1; ++t)
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(b.v[t], xbroadcast(xq + t * kWidth)),
+                                                    _mm512_set1_epi16(1)));
+    return acc;
+  }
   for (int64_t t = T0; t < T1; ++t) {
     const __m512i x = xbroadcast(xq + t * kWidth);
     const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(b.v[t]), _mm512_setzero_si512(), x);
     acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(b.v[t]), signed_x),
                                                   _mm512_set1_epi16(1)));
   }
-  (void)qsum;
   return acc;
 #else
-  IVec acc = _mm256_setzero_si256();
+  IVec acc = _mm256_set1_epi32(-(q8_code_offset<Six>() / kLanes) * qsum);
+  if constexpr (Six) {
+    for (int64_t t = T0; t < T1; ++t)
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(b.v[t], xbroadcast(xq + t * kWidth)),
+                                                    _mm256_set1_epi16(1)));
+    return acc;
+  }
   for (int64_t t = T0; t < T1; ++t) {
     const __m256i x = xbroadcast(xq + t * kWidth);
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b.v[t]), _mm256_sign_epi8(x, b.v[t])),
                                                   _mm256_set1_epi16(1)));
   }
-  (void)qsum;
   return acc;
 #endif
 }
@@ -1063,7 +1122,7 @@ inline Vec q8_scales(const Q8Scales& s, int64_t n, int64_t grp) {
 
 // R rows (from row m) x C channels starting at channel n; scales: one per channel and group of
 // group_cols columns (a multiple of 32), or one per channel (groups = 1, group_cols = K).
-template <bool Half, int R, int C>
+template <bool Half, int R, int C, bool Six = false>
 inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, float* y, int64_t N,
                     const Q8Scales& scale, int64_t group_cols, const float* bias) {
   Vec acc[R];
@@ -1073,18 +1132,18 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
   int64_t blk = 0;
   if (group_cols == kBlock / 2) {  // GGUF Q6_K: a scale per half block, each half its own dot product
     constexpr int kHalf = static_cast<int>(kQ8Steps / 2);
-    for (; blk < a.blocks; ++blk, p += C * kWidth * kQ8Steps) {
+    for (; blk < a.blocks; ++blk, p += q8_step_bytes<C, Six>() * kQ8Steps) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
-      const BlockBytes<C> bytes(p);
+      const BlockBytes<C, Six> bytes(p);
       const Vec s0 = q8_scales<Half, C>(scale, n, 2 * blk), s1 = q8_scales<Half, C>(scale, n, 2 * blk + 1);
       const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
       const float* db = a.di + blk * a.rows + m;
       const int32_t* hb = a.hi + 2 * (blk * a.rows + m);
       for (int r = 0; r < R; ++r) {
         const Vec d = vset1(db[r]);
-        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf>(bytes, xb + r * kBlock, hb[2 * r])), vmul(d, s0), acc[r]);
-        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf>(bytes, xb + r * kBlock, hb[2 * r + 1])), vmul(d, s1),
+        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r])), vmul(d, s0), acc[r]);
+        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r + 1])), vmul(d, s1),
                       acc[r]);
       }
     }
@@ -1092,10 +1151,10 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
     return;
   }
   if (blocks_per_group == 1) {  // GGUF Q8_0: a scale per block, folded into the block's activation scale
-    for (; blk < a.blocks; ++blk, p += C * kWidth * kQ8Steps) {
+    for (; blk < a.blocks; ++blk, p += q8_step_bytes<C, Six>() * kQ8Steps) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
-      const BlockBytes<C> bytes(p);
+      const BlockBytes<C, Six> bytes(p);
       const Vec scv = q8_scales<Half, C>(scale, n, blk);
       const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
       const float* db = a.di + blk * a.rows + m;
@@ -1109,10 +1168,10 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
   for (int64_t grp = 0; grp < scale.groups; ++grp) {
     Vec part[R];
     for (int r = 0; r < R; ++r) part[r] = vzero();
-    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += C * kWidth * kQ8Steps) {
+    for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end; ++blk, p += q8_step_bytes<C, Six>() * kQ8Steps) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
-      const BlockBytes<C> bytes(p);
+      const BlockBytes<C, Six> bytes(p);
       const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
       const float* db = a.di + blk * a.rows + m;
       const int32_t* qb = a.qi + blk * a.rows + m;
@@ -1124,24 +1183,24 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
   store_rows<R, C>(acc, m, n, y, N, bias);
 }
 
-template <bool Half, int C>
+template <bool Half, int C, bool Six>
 inline void rows_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
                     const Q8Scales& scale, int64_t group_cols, const float* bias) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile_q8<Half, kRows, C>(a, m, wt, n, y, N, scale, group_cols, bias);
+  for (; m + kRows <= M; m += kRows) tile_q8<Half, kRows, C, Six>(a, m, wt, n, y, N, scale, group_cols, bias);
   switch (M - m) {
-    case 3: tile_q8<Half, 3, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
-    case 2: tile_q8<Half, 2, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
-    case 1: tile_q8<Half, 1, C>(a, m, wt, n, y, N, scale, group_cols, bias); break;
+    case 3: tile_q8<Half, 3, C, Six>(a, m, wt, n, y, N, scale, group_cols, bias); break;
+    case 2: tile_q8<Half, 2, C, Six>(a, m, wt, n, y, N, scale, group_cols, bias); break;
+    case 1: tile_q8<Half, 1, C, Six>(a, m, wt, n, y, N, scale, group_cols, bias); break;
     default: break;
   }
 }
 
-template <int C>
+template <int C, bool Six>
 inline void channels_q8(const Int8Rows& a, int64_t M, const int8_t* wt, int64_t n, float* y, int64_t N,
                         const Q8Scales& scale, int64_t group_cols, const float* bias) {
-  if (scale.f16) rows_q8<true, C>(a, M, wt, n, y, N, scale, group_cols, bias);
-  else rows_q8<false, C>(a, M, wt, n, y, N, scale, group_cols, bias);
+  if (scale.f16) rows_q8<true, C, Six>(a, M, wt, n, y, N, scale, group_cols, bias);
+  else rows_q8<false, C, Six>(a, M, wt, n, y, N, scale, group_cols, bias);
 }
 
 #if defined(__AVX512VNNI__)
@@ -1171,32 +1230,39 @@ struct Q8Operands {
 // 10 rows 34.3 against 33.0, 16 rows 51 against 41, 64 rows 185 against 105; Q6_K's 6 rows 28.7
 // against 30.5, 8 rows 36.9 against 32.9, 16 rows 72 against 47, 64 rows 285 against 130 (tile_q8
 // takes two dot products per block there). Below these the panels' transposes, not the weights'
-// bytes, set their time (Q8_0's form at 4 rows: 25 ms against the tiles' 16.6).
-inline int64_t q8_panel_min_rows(bool halves) { return halves ? 8 : 10; }
+// bytes, set their time (Q8_0's form at 4 rows: 25 ms against the tiles' 16.6). 6-bit weights
+// (six): from 5 rows, where tile_q8 (4 rows a pass) streams the weights twice and unpacks them
+// twice: Q6_K's form at 5 / 6 / 7 rows 25.1-25.6 / 27.2-27.3 / 29.7-33.4 ms on the panels against
+// 30.0 / 34.8-36.7 / 38.5-38.7 on the tiles (alternated twice); at 4 rows the tiles 22.7-24.6
+// against the panels' 24.5-25.7.
+inline int64_t q8_panel_min_rows(bool halves, bool six = false) { return six ? 5 : halves ? 8 : 10; }
 
-template <bool Halves>
+// Six: 6-bit weights (q6_pack), unpacked to u = w + 32 before the transpose (code offset 32).
+template <bool Halves, bool Six = false>
 struct Int8WeightPanel {
-  static constexpr int64_t kChunkSpans = 1024 / kSpanCols;  // 1024 columns: a tile's bytes 4 KB
+  static constexpr int64_t kChunkSpans = 1024 / kSpanCols;  // 1024 columns: a tile's bytes 4 KB (3 KB in 6 bits)
   static constexpr int kRows = 4;                           // 8 int32 + 8 float accumulators, 2 weight vectors
+  static constexpr int64_t kStep = q8_step_bytes<kChannels, Six>();
   using Rows = Int8PanelRows;
   IVec codes[kChunkSpans * kSpanVecs];
   Vec sv[kChunkSpans], sv2[Halves ? kChunkSpans : 1];  // the lanes' scales (sv2: of the second halves)
-  static int64_t tile_bytes(int64_t K) { return kChannels * K; }
+  static int64_t tile_bytes(int64_t K) { return K / kWidth * kStep; }
   void build(const uint8_t* wt, int64_t blocks, int64_t n, int64_t s0, int64_t ns, const Q8Operands& o,
              int64_t group_cols) {
     const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t s = 0; s < ns; ++s) {
       const int64_t blk0 = (s0 + s) * kSpanBlocks;
-      const uint8_t* span_bytes = wt + blk0 * kQ8Steps * kChannels * kWidth;
-      for (int64_t line = 0; line < kSpanBlocks * kQ8Steps; ++line)  // the next chunk's span: 8 cache lines
+      const uint8_t* span_bytes = wt + blk0 * kQ8Steps * kStep;
+      for (int64_t line = 0; line < kSpanBlocks * kQ8Steps * kStep / 64; ++line)  // the next chunk's span: 8 (6) cache lines
         _mm_prefetch(reinterpret_cast<const char*>(span_bytes) + kAheadBytes + 64 * line, _MM_HINT_T0);
       for (int64_t h = 0; h < kQ8Steps; ++h) {
         __m512i r[kSpanBlocks], q[4];
-        for (int64_t b = 0; b < kSpanBlocks; ++b)
-          r[b] = blk0 + b < blocks ? _mm512_loadu_si512(wt + ((blk0 + b) * kQ8Steps + h) * kChannels * kWidth)
-                                   : _mm512_setzero_si512();
+        for (int64_t b = 0; b < kSpanBlocks; ++b) {
+          const uint8_t* step = wt + ((blk0 + b) * kQ8Steps + h) * kStep;
+          r[b] = blk0 + b >= blocks ? _mm512_setzero_si512() : Six ? six_load(step) : _mm512_loadu_si512(step);
+        }
         transpose_dwords(r, q);
-        for (int j = 0; j < 4; ++j) codes[s * kSpanVecs + 4 * h + j] = _mm512_xor_si512(q[j], sign);
+        for (int j = 0; j < 4; ++j) codes[s * kSpanVecs + 4 * h + j] = Six ? q[j] : _mm512_xor_si512(q[j], sign);
       }
       sv[s] = span_scales(o.scale, n, blk0, blocks, group_cols, 0);
       if constexpr (Halves) sv2[s] = span_scales(o.scale, n, blk0, blocks, group_cols, 1);
@@ -1806,13 +1872,17 @@ torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::o
 // Q8_0): y = sum_groups scale * sum_blocks d * sum q xq, + bias.
 torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                                     const c10::optional<torch::Tensor>& bias_opt) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.scalar_type() == torch::kInt8 && w.is_contiguous(),
+  const bool six = w.scalar_type() == torch::kUInt8;  // q6_pack's 6-bit form
+  TORCH_CHECK(w.is_contiguous() && ((w.dim() == 3 && w.size(2) == kWidth && w.scalar_type() == torch::kInt8) ||
+                                    (six && w.dim() == 2 && w.size(1) % 3 == 0)),
               "int8_weight_linear_a8: the weight must come from this build's stream_pack (int8 [N, Kp/", kWidth, ", ",
-              kWidth, "]), got ", w.scalar_type(), " ", w.sizes());
-  const int64_t N = w.size(0), K = w.size(1) * kWidth;
+              kWidth, "]) or q6_pack (uint8 [N, 3K/4]), got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = six ? w.size(1) / 3 * 4 : w.size(1) * kWidth;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % kBlock == 0, "int8_weight_linear_a8: x must be [M, ", K,
               "] with K a multiple of ", kBlock, ", got ", x.sizes());
   // float16 scales: int4_pack_groups' tile-major order; float32: row-major
+  TORCH_CHECK(!six || N % kChannels == 0, "int8_weight_linear_a8: 6-bit weights need whole tiles of ", kChannels,
+              " channels, got N = ", N);
   const bool half = scale.scalar_type() == torch::kHalf;
   const torch::Tensor sc = half ? scale.contiguous() : scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(sc.size(0) == N && (sc.dim() == 1 || (sc.dim() == 2 && K % sc.size(1) == 0 &&
@@ -1832,7 +1902,8 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   const bool halves = group_cols == kBlock / 2;  // Q6_K: each half block's code sum too
 #if defined(FIVEFOLD_Q8_PANELS)
   // the panels take the pairs of full tiles from q8_panel_min_rows; tile_q8 the rest
-  const bool panels = M >= q8_panel_min_rows(halves), tiles = tiles_beside_panels(M, N, q8_panel_min_rows(halves));
+  const int64_t min_rows = q8_panel_min_rows(halves, six);
+  const bool panels = M >= min_rows, tiles = tiles_beside_panels(M, N, min_rows);
 #else
   const bool tiles = true;
 #endif
@@ -1858,29 +1929,91 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   Int8Rows a{xq, d, qsum, xsum, K, K / kBlock, 1, half_qsum};
   auto y = torch::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
+  const int8_t* wp = static_cast<const int8_t*>(w.data_ptr());
   const Q8Scales sp{half ? nullptr : sc.data_ptr<float>(), half ? sc.data_ptr<at::Half>() : nullptr, groups};
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   int64_t n0 = 0;  // channels the panels did
 #if defined(FIVEFOLD_Q8_PANELS)
   if (panels) {
-    const Int8PanelRows rows(a, M, /*code_offset=*/128, halves);
+    const Int8PanelRows rows(a, M, /*code_offset=*/six ? 32 : 128, halves);
     const Q8Operands o{sp, bp};
     const uint8_t* wb = reinterpret_cast<const uint8_t*>(wp);
-    n0 = halves ? run_panels<Int8WeightPanel<true>, true>(rows, M, K, wb, N, yp, o, group_cols)
-                : run_panels<Int8WeightPanel<false>, true>(rows, M, K, wb, N, yp, o, group_cols);
+    n0 = six ? (halves ? run_panels<Int8WeightPanel<true, true>, true>(rows, M, K, wb, N, yp, o, group_cols)
+                       : run_panels<Int8WeightPanel<false, true>, true>(rows, M, K, wb, N, yp, o, group_cols))
+             : (halves ? run_panels<Int8WeightPanel<true>, true>(rows, M, K, wb, N, yp, o, group_cols)
+                       : run_panels<Int8WeightPanel<false>, true>(rows, M, K, wb, N, yp, o, group_cols));
   }
 #endif
   if (tiles) {
     interleave_rows(a, M, scratch, /*code_sums=*/true);
-    for_each_tile(N - n0, K, K, [&](auto c, int64_t byte0, int64_t n) {
-      channels_q8<decltype(c)::value>(a, M, wp + n0 * K + byte0, n0 + n, yp, N, sp, group_cols, bp);
+    const int64_t channel_bytes = six ? 3 * K / 4 : K;
+    for_each_tile(N - n0, channel_bytes, K, [&](auto c, int64_t byte0, int64_t n) {
+      constexpr int C = decltype(c)::value;
+      const int8_t* wt = wp + n0 * channel_bytes + byte0;
+      if constexpr (C == kChannels) {
+        if (six) channels_q8<C, true>(a, M, wt, n0 + n, yp, N, sp, group_cols, bp);
+        else channels_q8<C, false>(a, M, wt, n0 + n, yp, N, sp, group_cols, bp);
+      } else {  // 6-bit weights have no narrower tile (checked above)
+        channels_q8<C, false>(a, M, wt, n0 + n, yp, N, sp, group_cols, bp);
+      }
     });
   }
   return y;
 #else
   TORCH_CHECK(false, "int8_weight_linear_a8: this build has no integer dot product (AVX2 or AVX-512BW)");
 #endif
+}
+
+// int8 weights in [-32, 31] (GGUF Q6_K's codes) from stream_pack's layout (int8 [N, K/W, W], N a
+// multiple of 4 and K of 32) -> uint8 [N, 3K/4]: each step's byte vector of S = 4W bytes in 3S/4
+// bytes, u = w + 32 as six_load reads it (see there). Served by int8_weight_linear_a8.
+torch::Tensor q6_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kWidth && w.scalar_type() == torch::kInt8 && w.is_contiguous(),
+              "q6_pack: the weight must come from this build's stream_pack (int8 [N, Kp/", kWidth, ", ", kWidth, "]), got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1) * kWidth;
+  TORCH_CHECK(N % kChannels == 0 && K % 32 == 0, "q6_pack: N must be a multiple of ", kChannels,
+              " and K of 32, got [", N, ", ", K, "]");
+  TORCH_CHECK(w.numel() == 0 || (w.min().item<int>() >= -32 && w.max().item<int>() <= 31),
+              "q6_pack: 6-bit weights must lie in [-32, 31]");
+  constexpr int64_t S = kChannels * kWidth;
+  auto out = empty_on_huge_pages({N, 3 * K / 4}, w.options().dtype(torch::kUInt8));
+  const int8_t* src = w.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t vectors = N * K / S;
+#pragma omp parallel for schedule(static) if (vectors > 4096)
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int8_t* in = src + v * S;
+    uint8_t* o = dst + v * (3 * S / 4);
+    const auto u = [&](int64_t i) { return static_cast<uint8_t>(in[i] + 32); };
+    for (int64_t i = 0; i < S / 2; ++i) o[i] = static_cast<uint8_t>((u(i) & 15) | ((u(i + S / 2) & 15) << 4));
+    for (int64_t i = 0; i < S / 4; ++i) {
+      uint8_t top = 0;
+      for (int64_t q = 0; q < 4; ++q) top |= static_cast<uint8_t>((u(i + q * S / 4) >> 4) << (2 * q));
+      o[S / 2 + i] = top;
+    }
+  }
+  return out;
+}
+
+// The inverse: uint8 [N, 3K/4] -> int8 [N, K/W, W] in stream_pack's layout.
+torch::Tensor q6_unpack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) % 24 == 0,
+              "q6_unpack: expects uint8 [N, 3K/4] from q6_pack, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1) / 3 * 4;
+  constexpr int64_t S = kChannels * kWidth;
+  auto out = torch::empty({N, K / kWidth, kWidth}, w.options().dtype(torch::kInt8));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t v = 0; v < N * K / S; ++v) {
+    const uint8_t* in = src + v * (3 * S / 4);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t q = i / (S / 4);
+      const uint8_t nibble = i < S / 2 ? in[i] & 15 : in[i - S / 2] >> 4, top = (in[S / 2 + i % (S / 4)] >> (2 * q)) & 3;
+      dst[v * S + i] = static_cast<int8_t>((nibble | (top << 4)) - 32);
+    }
+  }
+  return out;
 }
 
 // The W4A8 product of activations already quantized: xq int8 [M, K], d float32 [M, K / 32] (one
@@ -1912,6 +2045,8 @@ TORCH_LIBRARY_FRAGMENT(fivefold, m) {
   m.def("int4_linear_int8(Tensor xq, Tensor d, Tensor w, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor");
   m.def("int4_dequantize(Tensor w, Tensor scale, Tensor? offset) -> Tensor");
   m.def("int8_weight_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("q6_pack(Tensor w) -> Tensor");
+  m.def("q6_unpack(Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_pack", &int4_pack);
@@ -1921,4 +2056,6 @@ TORCH_LIBRARY_IMPL(fivefold, CPU, m) {
   m.impl("int4_linear_int8", &int4_linear_int8);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int8_weight_linear_a8", &int8_weight_linear_a8);
+  m.impl("q6_pack", &q6_pack);
+  m.impl("q6_unpack", &q6_unpack);
 }

@@ -9,7 +9,8 @@ become 4-bit codes with their block's float16 scale (and minimum) as they are
 (:class:`~fivefold.models.int4_linear.Int4Quantized`: groups of 32, served by the int4 kernel),
 never passing through float, and so do Q4_K's (its two scale levels multiplied into one float16
 scale and minimum per 32); Q6_K tensors become int8 codes with a float16 scale per 16 (served like
-Q8_0, always). Otherwise the 4-bit types, and the block types without a kernel yet (Q5_K, Q2_K,
+Q8_0, always; against int8 activations, as ``--quantization gguf`` serves them, the int8 layer holds
+the codes at 6 bits again: fivefold::q6_pack). Otherwise the 4-bit types, and the block types without a kernel yet (Q5_K, Q2_K,
 Q3_K, ...), are dequantized to float32 with a one-line note saying so.
 """
 
@@ -140,9 +141,11 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0
-# as stored; Q6_K's 6-bit codes widened to int8 with a float16 scale per 16; the 4-bit kernel's
-# float16 scale (and minimum) per 32, Q4_K's products of its two scale levels included).
+# as stored; Q6_K's 6-bit codes widened to int8 with a float16 scale per 16, or with --quantization
+# gguf (int8 activations) kept at 6 bits (fivefold::q6_pack); the 4-bit kernel's float16 scale (and
+# minimum) per 32, Q4_K's products of its two scale levels included).
 SERVED_BITS = {"Q8_0": 8.5, "Q6_K": 9.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 5.0}
+Q6_K_SIX_BITS = 7.0
 EIGHT_BIT = ("Q8_0", "Q6_K")  # kept int8 whatever the served dtype
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # kept 4-bit with --quantization gguf
 
@@ -159,7 +162,8 @@ def gguf_served_bits(reader, keep_4bit: bool) -> float | None:
         if kind not in EIGHT_BIT and not (keep_4bit and kind in FOUR_BIT):
             return None
         n = int(t.n_elements)
-        bits, count = bits + SERVED_BITS[kind] * n, count + n
+        served = Q6_K_SIX_BITS if keep_4bit and kind == "Q6_K" else SERVED_BITS[kind]
+        bits, count = bits + served * n, count + n
     return bits / count if count else None
 
 

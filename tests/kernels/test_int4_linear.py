@@ -246,6 +246,75 @@ def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
 
 
+def test_q6_pack_round_trips_and_refuses_what_it_cannot_hold():
+    """fivefold::q6_pack holds stream_pack's int8 weights in [-32, 31] (GGUF Q6_K's codes) in 3/4 of
+    their bytes, and q6_unpack gives the same layout back byte for byte; codes outside 6 bits, or a
+    narrower last tile, are refused with the limit named."""
+    from fivefold.kernels import stream_ops
+
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(6)
+    for n, k in ((4, 32), (8, 256), (36, 1024), (64, 2080)):
+        stream = stream_ops().stream_pack(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen))
+        six = ops.q6_pack(stream)
+        assert six.dtype == torch.uint8 and tuple(six.shape) == (n, 3 * k // 4)
+        assert torch.equal(ops.q6_unpack(six), stream)
+    for bad in (32, -33):
+        w = torch.zeros(8, 64, dtype=torch.int8)
+        w[3, 17] = bad
+        with pytest.raises(RuntimeError, match=r"\[-32, 31\]"):
+            ops.q6_pack(stream_ops().stream_pack(w))
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        ops.q6_pack(stream_ops().stream_pack(torch.zeros(6, 64, dtype=torch.int8)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 12, 17, 64, 70])
+@pytest.mark.parametrize("n,k,group", [(64, 576, 16), (16, 2080, 16), (8, 1024, 32), (36, 256, None)])
+def test_six_bit_weights_times_int8_activations_match_float64(rows, n, k, group):
+    """Q6_K's codes held at 6 bits (q6_pack) through int8_weight_linear_a8: tile_q8 (every ISA, u = w
+    + 32 unsigned: no sign trick) and, with AVX-512 VNNI, the panels from 5 rows unpack the same
+    weights the int8 form holds: the float64 product, and the int8 form's result within float
+    rounding (the lanes start from other folds)."""
+    from fivefold.kernels import stream_ops
+
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(n, k // group, generator=gen) / 50).half() if group else torch.rand(n, generator=gen) / 50
+    packed_scale = int4_ops().int4_pack_groups(scale, True) if group else scale
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(k, generator=gen) * 4
+    wf = w.double() * (scale.double().repeat_interleave(group, dim=1) if group else scale.double()[:, None])
+    ref = dequantize_activations(*quantize_activations(x)).double() @ wf.t() + bias.double()
+    stream = stream_ops().stream_pack(w)
+    y = int4_ops().int8_weight_linear_a8(x, int4_ops().q6_pack(stream), packed_scale, bias)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    int8_form = int4_ops().int8_weight_linear_a8(x, stream, packed_scale, bias)
+    torch.testing.assert_close(y, int8_form, rtol=1e-5, atol=2e-6 * float(int8_form.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [4, 12])
+@pytest.mark.parametrize("group", [32, 16])
+def test_six_bit_weight_sums_are_exact_on_saturating_operands(group, rows):
+    """Weights -32 and 31 against activations -127 and 127 (d = 1), scales 1, held at 6 bits: the
+    int64 dot product exactly. u = w + 32 <= 63 enters vpdpbusd or vpmaddubsw unsigned (a pair at
+    most 2 x 63 x 127 = 16002 < 32767) and 32 x sum(x) is folded back out (per half with groups of 16)."""
+    from fivefold.kernels import stream_ops
+
+    n, k = 40, 1024
+    w = torch.full((n, k), -32, dtype=torch.int8)
+    w[1::2] = 31
+    w[2::5, ::3] = -31
+    x = torch.full((4, k), 127.0)
+    x[1] = -127
+    x[2, ::2] = -127
+    x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(3)).float()
+    x[3, ::32] = 127
+    x = x.repeat(3, 1)[:rows]  # 4 rows: tile_q8; 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    six = int4_ops().q6_pack(stream_ops().stream_pack(w))
+    y = int4_ops().int8_weight_linear_a8(x, six, torch.ones(n, k // group), None)
+    assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
+
+
 def test_int8_activations_refuse_what_they_cannot_take():
     ops = int4_ops()
     gen = torch.Generator().manual_seed(4)

@@ -186,8 +186,8 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     --quantization gguf: Q4_K layers run the int4 kernel, Q6_K layers the int8 kernel with a float16
     scale per 16, both against int8 activations (as llama.cpp); each layer computes what its
     dequantized weight computes, the logits agree with the dequantized model's, and the weights are
-    held at 5.0 bits (Q4_K) and 9 (Q6_K: int8 and a float16 scale per 16, in the kernel's tile
-    order), not in float."""
+    held at 5.0 bits (Q4_K) and 7 (Q6_K: its 6-bit codes as q6_pack holds them and a float16 scale
+    per 16, in the kernel's tile order), not in float."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_K"), "blk.0.ffn_down.weight": "Q6_K",
                            "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
@@ -203,7 +203,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     assert kinds["lm_head"] == "Int8Linear" and isinstance(served.embed_tokens, HeadRowsEmbedding)
     for name, module in served.named_modules():
         if isinstance(module, Int8Linear):
-            assert module.group_size == 16 and module.int8_activations, name
+            assert module.group_size == 16 and module.int8_activations and module._prepare()["six"], name
         elif isinstance(module, Int4Linear):
             assert module.int8_activations, name
         else:
@@ -234,10 +234,10 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
         ours, ref = prefill_logits(served, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
     # held at 5 bits per weight (Q4_K, q and k included: codes, a float16 scale and minimum per 32)
-    # and 9 (Q6_K: int8, a float16 scale per 16), plus the float norms: nothing in float beside them
+    # and 7 (Q6_K: 6-bit codes, a float16 scale per 16), plus the float norms: nothing in float beside them
     for m in served.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):  # (an int8 layer's three activation-quantization scalars: 16 bytes)
-            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 9 / 8)
+            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 7 / 8)
             assert resident_weight_bytes(m) - held in (0, 16), m
     assert isinstance(served.embed_tokens, HeadRowsEmbedding) and resident_weight_bytes(served.embed_tokens) == 0
     # the memory plan's bits per layer weight: the file's mix as served; without keep_4bit, float
@@ -246,9 +246,45 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
 
     layer = {t.name: int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     six = layer["blk.0.ffn_down.weight"] + layer["blk.0.attn_v.weight"]
-    assert gguf_served_bits(reader, True) == pytest.approx((9 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
+    assert gguf_served_bits(reader, True) == pytest.approx((7 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
     assert gguf_served_bits(reader, False) is None
     assert NativeDecoder.unsupported_reason(served) is None  # the C++ decode loop runs the mix
+
+
+def test_six_bit_hold_follows_the_activations_and_keeps_the_weights():
+    """An Int8Linear in groups of 16 with codes in [-32, 31] (Q6_K) holds them at 6 bits only while it
+    takes int8 activations (the float-activation kernels read int8 bytes): switching back and forth
+    re-holds them, and the weight, its rows, the state dict and the results stay those of the int8
+    form. A code outside 6 bits keeps the layer int8."""
+    from fivefold.models.int8_linear import Int8Format
+
+    gen = torch.Generator().manual_seed(16)
+    fmt = Int8Format(scheme="w8a16", weight_granularity="per-group", group_size=16)
+    for lo, hi, six in ((-32, 32, True), (-33, 32, False)):
+        module = Int8Linear(256, 36, True, fmt)
+        q = torch.randint(lo, hi, (36, 256), dtype=torch.int8, generator=gen)
+        q[5, 7] = lo
+        scale = (torch.rand(36, 16, generator=gen) / 50).half().float()
+        module.weight, module.weight_scale, module.bias = q.clone(), scale.clone(), torch.randn(36, generator=gen)
+        x = torch.randn(9, 256, generator=gen)
+        dense = q.float() * scale.repeat_interleave(16, dim=1)
+        with torch.inference_mode():
+            float_out = module.pack_()(x)  # float activations: the int8 form
+            assert not module._prepare()["six"]
+            module.set_activations_("int8")
+            assert module._prepare()["six"] is six
+            int8_out = module(x)
+            want = fake_int8(x).double() @ dense.double().t() + module.bias.double()
+            torch.testing.assert_close(int8_out.double(), want, rtol=1e-5, atol=1e-4)
+            assert torch.equal(module.int8_weight(), q)
+            assert torch.equal(module.rows(torch.tensor([0, 5, 35, 5])), dense[[0, 5, 35, 5]])
+            state = module.state_dict()
+            assert torch.equal(state["weight"], q) and torch.equal(state["weight_scale"], scale)
+            module.set_activations_("float")
+            assert not module._prepare()["six"]
+            assert torch.equal(module(x), float_out)
+            module.set_activations_("int8")
+            assert module._prepare()["six"] is six and torch.equal(module(x), int8_out)
 
 
 def test_q8_0_served_as_stored_multiplies_int8_activations(tmp_path):
