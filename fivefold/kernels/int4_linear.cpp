@@ -1131,20 +1131,34 @@ inline void tile_q8(const Int8Rows& a, int64_t m, const int8_t* wt, int64_t n, f
   const int64_t blocks_per_group = group_cols / kBlock;
   int64_t blk = 0;
   if (group_cols == kBlock / 2) {  // GGUF Q6_K: a scale per half block, each half its own dot product
+    // Running pointers, one load of both halves' float16 scales, and one FMA into each accumulator
+    // per block (both halves summed first: at one row that FMA's latency is the loop's chain).
+    // 4096 x 1024 from L3, 2 threads, 1 / 2 / 4 rows: int8 codes 60 / 101-115 / 180 -> 53 / 89 /
+    // 158 us, 6-bit ones 89 / 130 / 212 -> 86 / 122 / 190.
     constexpr int kHalf = static_cast<int>(kQ8Steps / 2);
-    for (; blk < a.blocks; ++blk, p += q8_step_bytes<C, Six>() * kQ8Steps) {
+    const int64_t rows = a.rows, blocks = a.blocks;
+    const int8_t* xb = a.xi + m * kBlock;
+    const float* db = a.di + m;
+    const int32_t* hb = a.hi + 2 * m;
+    const at::Half* sh = Half ? scale.f16 + n * scale.groups : nullptr;  // tile-major: group g's C channels at g C
+    for (; blk < blocks; ++blk, p += q8_step_bytes<C, Six>() * kQ8Steps, xb += rows * kBlock, db += rows, hb += 2 * rows) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes + 64, _MM_HINT_T0);
       const BlockBytes<C, Six> bytes(p);
-      const Vec s0 = q8_scales<Half, C>(scale, n, 2 * blk), s1 = q8_scales<Half, C>(scale, n, 2 * blk + 1);
-      const int8_t* xb = a.xi + (blk * a.rows + m) * kBlock;
-      const float* db = a.di + blk * a.rows + m;
-      const int32_t* hb = a.hi + 2 * (blk * a.rows + m);
+      Vec s0, s1;
+      if constexpr (Half && C == kChannels) {  // groups 2 blk and 2 blk + 1: 8 float16 side by side
+        const __m256 both = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sh + 2 * blk * C)));
+        s0 = spread4(_mm256_castps256_ps128(both));
+        s1 = spread4(_mm256_extractf128_ps(both, 1));
+      } else {
+        s0 = q8_scales<Half, C>(scale, n, 2 * blk);
+        s1 = q8_scales<Half, C>(scale, n, 2 * blk + 1);
+      }
       for (int r = 0; r < R; ++r) {
-        const Vec d = vset1(db[r]);
-        acc[r] = vfma(to_float(block_dot_q8<C, 0, kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r])), vmul(d, s0), acc[r]);
-        acc[r] = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r + 1])), vmul(d, s1),
-                      acc[r]);
+        const Vec half0 = vmul(to_float(block_dot_q8<C, 0, kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r])), s0);
+        const Vec both = vfma(to_float(block_dot_q8<C, kHalf, 2 * kHalf, Six>(bytes, xb + r * kBlock, hb[2 * r + 1])), s1,
+                              half0);
+        acc[r] = vfma(both, vset1(db[r]), acc[r]);
       }
     }
     store_rows<R, C>(acc, m, n, y, N, bias);
