@@ -1246,9 +1246,9 @@ struct Q8Operands {
 // takes two dot products per block there). Below these the panels' transposes, not the weights'
 // bytes, set their time (Q8_0's form at 4 rows: 25 ms against the tiles' 16.6). 6-bit weights
 // (six): from 5 rows, where tile_q8 (4 rows a pass) streams the weights twice and unpacks them
-// twice: Q6_K's form at 5 / 6 / 7 rows 25.1-25.6 / 27.2-27.3 / 29.7-33.4 ms on the panels against
-// 30.0 / 34.8-36.7 / 38.5-38.7 on the tiles (alternated twice); at 4 rows the tiles 22.7-24.6
-// against the panels' 24.5-25.7.
+// twice: Q6_K's form at 5 / 6 / 7 / 8 rows 30.1-30.2 / 28.7-31.7 / 29.1-35.6 / 29.9-38.8 ms on the
+// panels against 32.0 / 35.0-35.8 / 40.0-40.2 / 43.1 on the tiles (alternated twice); at 4 rows
+// the tiles 22.7-24.6 against the panels' 24.5-25.7.
 inline int64_t q8_panel_min_rows(bool halves, bool six = false) { return six ? 5 : halves ? 8 : 10; }
 
 // Six: 6-bit weights (q6_pack), unpacked to u = w + 32 before the transpose (code offset 32).
