@@ -176,7 +176,7 @@ def test_integer_sums_are_exact_on_saturating_operands(symmetric, rows):
     assert torch.equal(y.double(), want.double())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (67, 576, 32), (6, 256, None), (3, 96, 32), (67, 576, 16),
                                        (3, 96, 16), (16, 256, None), (24, 576, 64), (19, 2080, 32), (16, 2080, 16)])
 def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
@@ -184,7 +184,7 @@ def test_int8_weights_times_int8_activations_match_float64(rows, n, k, group):
     weights, a scale per group of 32, of 16 or per channel, times the rows quantized per block of 32.
     With AVX-512 VNNI, pairs of full tiles take the panels from 10 rows, 8 for groups of 16 (17, 64,
     70; tile_q8 the rest): K = 2080 is three chunks of spans, the last span part-filled, as K = 576's is; 70 rows
-    two blocks of rows."""
+    two blocks of rows. With AVX-512, tile_q8 takes 5-8 rows in one tile (7, 8)."""
     from fivefold.kernels import stream_ops
 
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -223,7 +223,7 @@ def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k, gr
     assert torch.equal(stream_ops().stream_linear(x, w, packed, bias), stream_ops().stream_linear(x, w, scale, bias))
 
 
-@pytest.mark.parametrize("rows", [4, 12])
+@pytest.mark.parametrize("rows", [4, 7, 12])
 @pytest.mark.parametrize("group", [32, 16])
 def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
     """Weights -128 and 127 against activations -127 and 127 (every block's amax 127, so d = 1),
@@ -240,7 +240,7 @@ def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
     x[2, ::2] = -127
     x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(2)).float()
     x[3, ::32] = 127
-    x = x.repeat(3, 1)[:rows]  # 4 rows: tile_q8; 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    x = x.repeat(3, 1)[:rows]  # 4 and 7 rows: tile_q8 (7: one tile with AVX-512); 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
     # groups of 16 (Q6_K): each half block its own dot product, VNNI's +128 folded per half
     y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // group), None)
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
