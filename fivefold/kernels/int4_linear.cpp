@@ -1962,7 +1962,7 @@ torch::Tensor int8_weight_linear_a8(torch::Tensor x, torch::Tensor w, torch::Ten
   int64_t n0 = 0;  // channels the panels did
 #if defined(FIVEFOLD_Q8_PANELS)
   if (panels) {
-    const Int8PanelRows rows(a, M, /*code_offset=*/six ? 32 : 128, halves);
+    const Int8PanelRows rows(a, M, six ? q8_code_offset<true>() : q8_code_offset<false>(), halves);
     const Q8Operands o{sp, bp};
     const uint8_t* wb = reinterpret_cast<const uint8_t*>(wp);
     n0 = six ? (halves ? run_panels<Int8WeightPanel<true, true>, true>(rows, M, K, wb, N, yp, o, group_cols)

@@ -238,12 +238,10 @@ class Int8Linear(nn.Module):
                 p["w_t"] = self.weight.t().contiguous()  # [K, N] for torch._int_mm
             elif kernel == "fivefold-w8a16":  # fivefold::stream_linear's tile-major layout, the one copy
                 six = self._six_bit_fits(self.weight)
-                p["stream"] = int8_ops().stream_pack(self.weight)
+                p["stream"], p["six"] = int8_ops().stream_pack(self.weight), False
                 self._buffers["weight"] = None
                 p["stream_scale"] = self._pack_scales()
-                p["six"] = False
-                if six:
-                    self._hold_six_bits(p, True)
+                self._hold_six_bits(p, six)
             elif kernel in (EXACT_KERNEL, EXACT_FALLBACK):
                 p["w_sum"] = self.weight.sum(dim=1, dtype=torch.int32)  # folds the activation zero point
             self._prepared = p
@@ -256,9 +254,8 @@ class Int8Linear(nn.Module):
         decode reads 22% fewer bytes for these matrices."""
         from fivefold.kernels import int4_ops
 
-        ops = int4_ops()
         return (self.int8_activations and self.group_size == 16 and self.out_features % STREAM_TILE == 0
-                and self.in_features % 32 == 0 and ops is not None and hasattr(ops, "q6_pack")
+                and self.in_features % 32 == 0 and int4_ops() is not None
                 and (q.numel() == 0 or (int(q.min()) >= -32 and int(q.max()) <= 31)))
 
     def _hold_six_bits(self, p: dict, six: bool) -> None:

@@ -223,6 +223,21 @@ def test_q8_scales_in_float16_tile_order_give_the_float32_results(rows, n, k, gr
     assert torch.equal(stream_ops().stream_linear(x, w, packed, bias), stream_ops().stream_linear(x, w, scale, bias))
 
 
+def saturating_operands(n: int, k: int, lo: int, hi: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights at their range's ends (lo, hi, -hi) against activation rows at -127 and 127 (every
+    block's amax 127, so d = 1), plus one random row with 127 in each block: 4 patterns, repeated
+    to ``rows``."""
+    w = torch.full((n, k), lo, dtype=torch.int8)
+    w[1::2] = hi
+    w[2::5, ::3] = -hi
+    x = torch.full((4, k), 127.0)
+    x[1] = -127
+    x[2, ::2] = -127
+    x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(seed)).float()
+    x[3, ::32] = 127
+    return w, x.repeat(3, 1)[:rows]
+
+
 @pytest.mark.parametrize("rows", [4, 7, 12])
 @pytest.mark.parametrize("group", [32, 16])
 def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
@@ -231,16 +246,10 @@ def test_int8_weight_sums_are_exact_on_saturating_operands(group, rows):
     back out; AVX2 multiplies |w| by x * sign(w), whose pairs stay under 32767 even at w = -128."""
     from fivefold.kernels import stream_ops
 
-    n, k = 36, 1024  # sums up to 1024 x 128 x 127 < 2^24: exact in float32
-    w = torch.full((n, k), -128, dtype=torch.int8)
-    w[1::2] = 127
-    w[2::5, ::3] = -127
-    x = torch.full((4, k), 127.0)
-    x[1] = -127
-    x[2, ::2] = -127
-    x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(2)).float()
-    x[3, ::32] = 127
-    x = x.repeat(3, 1)[:rows]  # 4 and 7 rows: tile_q8 (7: one tile with AVX-512); 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    # sums up to 1024 x 128 x 127 < 2^24: exact in float32. 4 and 7 rows: tile_q8 (7: one tile with
+    # AVX-512); 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    n, k = 36, 1024
+    w, x = saturating_operands(n, k, -128, 127, rows, seed=2)
     # groups of 16 (Q6_K): each half block its own dot product, VNNI's +128 folded per half
     y = int4_ops().int8_weight_linear_a8(x, stream_ops().stream_pack(w), torch.ones(n, k // group), None)
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
@@ -300,16 +309,8 @@ def test_six_bit_weight_sums_are_exact_on_saturating_operands(group, rows):
     most 2 x 63 x 127 = 16002 < 32767) and 32 x sum(x) is folded back out (per half with groups of 16)."""
     from fivefold.kernels import stream_ops
 
-    n, k = 40, 1024
-    w = torch.full((n, k), -32, dtype=torch.int8)
-    w[1::2] = 31
-    w[2::5, ::3] = -31
-    x = torch.full((4, k), 127.0)
-    x[1] = -127
-    x[2, ::2] = -127
-    x[3] = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(3)).float()
-    x[3, ::32] = 127
-    x = x.repeat(3, 1)[:rows]  # 4 rows: tile_q8; 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    n, k = 40, 1024  # 4 rows: tile_q8; 12 (VNNI) the panels for the first 32 channels, tile_q8 the rest
+    w, x = saturating_operands(n, k, -32, 31, rows, seed=3)
     six = int4_ops().q6_pack(stream_ops().stream_pack(w))
     y = int4_ops().int8_weight_linear_a8(x, six, torch.ones(n, k // group), None)
     assert torch.equal(y.double(), (x.long() @ w.long().t()).double())
