@@ -22,13 +22,13 @@ Backends:
            weights (GGUF Q4_1's form, 5 bits per weight; the bytes counted include the scales);
            int4-g128 per 128 (what `--quantization w4a16` makes on load, 4.25 bits); q4_0 a scale
            per 32, no minimum
-  stream-a8  int4, q4_0, q8_0, q6_k, q6_k6: int8 activations (W4A8, W8A8 as llama.cpp runs Q8_0 and Q6_K:
+  stream-a8  int4, q4_0, q4_k, q8_0, q6_k, q6_k6: int8 activations (W4A8, W8A8 as llama.cpp runs Q8_0 and Q6_K:
            each row quantized per block of 32 inside the call, integer dot products: VNNI
            vpdpbusd, or vpmaddubsw on AVX2)
   onednn   mkldnn._linear_pointwise on oneDNN-packed weights (PackedLinear's GEMM): float32, bfloat16
   aten     F.linear on the plain row-major weight (MKL / oneDNN without packing)
 
-    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,int4-g128,q4_0,q8_0,q6_k,q6_k6] [--shapes smollm2|llama3b|llama8b]
+    .venv/bin/python benchmarks/linear_stream.py [--rows 1,4,8,16] [--dtypes float32,bfloat16,int8,int4,int4-g128,q4_0,q4_k,q8_0,q6_k,q6_k6] [--shapes smollm2|llama3b|llama8b]
 
 Prints a table and one JSON line; the engine's row threshold (STREAM_MAX_ROWS in
 fivefold/models/layers.py) comes from this table.
@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.bench.report import json_line  # noqa: E402
 from fivefold.kernels import int4_ops, stream_ops  # noqa: E402
+from fivefold.models.int4_linear import Int4Levels, pack_levels  # noqa: E402
 from fivefold.models.layers import PackedLinear  # noqa: E402
 from fivefold.platform import current_platform  # noqa: E402
 from fivefold.profile.roofline import measure_bandwidth, measure_flops  # noqa: E402
@@ -60,13 +61,16 @@ INT4_GROUP = 32
 # sub-block's scale rounded to float16: 9 bits per weight streamed, against the file's 6.56); q6_k6:
 # the same codes as a Q6_K layer holds them against int8 activations (fivefold::q6_pack: 6 bits and
 # the float16 scale per 16, 7 bits per weight; int8 activations only); q4_0:
-# GGUF Q4_0's, symmetric codes with a float16 scale per 32 (4.5 bits)
+# GGUF Q4_0's, symmetric codes with a float16 scale per 32 (4.5 bits); q4_k: GGUF Q4_K's as a layer
+# holds it against int8 activations, its two scale levels as stored (sc and m a byte per 32, d and
+# dmin float16 per 256: 4.625 bits; int8 activations only; int4 is the one-level form it had before,
+# a float16 scale and minimum per 32)
 # int4-g128: the form `--quantization w4a16` makes on load (a float16 scale and minimum per 128);
 # int4-g64: GPTQ's and AWQ's common group (a scale and minimum per 64)
 INT4_GROUPS = {"int4": INT4_GROUP, "int4-g64": 64, "int4-g128": 128, "q4_0": 32}
 BYTES_PER_WEIGHT = {"int8": 1, "int4": 0.5 + 4 / INT4_GROUP, "int4-g64": 0.5 + 4 / 64, "int4-g128": 0.5 + 4 / 128,
                     "q8_0": 1 + 2 / 32, "q6_k": 1 + 2 / 16, "q6_k6": 0.75 + 2 / 16,
-                    "q4_0": 0.5 + 2 / 32}
+                    "q4_0": 0.5 + 2 / 32, "q4_k": 0.5 + 2 / 32 + 4 / 256}
 # --shapes: SmolLM2-135M's 121 decode matrices (the built-in), or two layers of a Llama-3-8B
 # (qkv, o, gate_up, down: 4096 wide, 14336 intermediate), where a call streams 12-120 MB of weights
 # and the per-call cost (the Python call, the thread team, quantizing one activation row) is small.
@@ -105,6 +109,11 @@ def make_weights(dtype: str, num_copies: int, generator: torch.Generator):
                              ((torch.rand(n, groups, generator=generator) / 100).half(),
                               None if dtype == "q4_0" else
                               (torch.randn(n, groups, generator=generator) / 10).half())))
+            elif dtype == "q4_k":  # codes and two levels
+                copy.append((torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
+                             Int4Levels(*(torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator)
+                                          for _ in range(2)),
+                                        *((torch.rand(n, k // 256, generator=generator) / 1000).half() for _ in range(2)))))
             elif dtype == "q8_0":  # scales float16 holds exactly
                 copy.append((torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                              (torch.rand(n, k // 32, generator=generator) / 100).half().float()))
@@ -134,6 +143,11 @@ def backends(dtype: str):
         return {"stream": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, False)),
                 "stream-a8": (pack, lambda x, p: ops4.int4_linear(x, p[0], p[1], p[2], None, True))}
     ops = stream_ops()
+    if dtype == "q4_k":  # two levels: int8 activations only
+        if int4_ops() is None:
+            return {}
+        return {"stream-a8": (lambda q, levels: (int4_ops().int4_pack(q), pack_levels(levels)),
+                              lambda x, p: int4_ops().int4_linear(x, p[0], p[1], None, None, True))}
     if dtype == "q6_k6":  # 6-bit codes: int8 activations only
         if int4_ops() is None:
             return {}
@@ -218,7 +232,7 @@ def main() -> None:
         model_bytes = int(sum(n * k for n, k in SHAPES) * itemsize)
         num_copies = max(1, -(-2 * llc // model_bytes))
         weights = make_weights(dtype, num_copies, generator)
-        x_dtype = torch.float32 if dtype in ("float32", "int8", "q8_0", "q6_k", "q6_k6", *INT4_GROUPS) else torch.bfloat16
+        x_dtype = torch.float32 if dtype in ("float32", "int8", "q8_0", "q6_k", "q6_k6", "q4_k", *INT4_GROUPS) else torch.bfloat16
         prepared_by_backend = {name: (run, [[(prepare(w, s), w.shape[1]) for w, s in copy] for copy in weights])
                                for name, (prepare, run) in backends(dtype).items()}
         num_weights = sum(n * k for n, k in SHAPES)

@@ -103,16 +103,31 @@ inline void halves_to_floats(const at::Half* p, float* out) {
   for (int c = 0; c < C; ++c) out[c] = static_cast<float>(p[c]);
 }
 
+// GGUF Q4_K's two scale levels, held as the file has them (int8 activations only): sub-block j of
+// 32 weights is w = d sc_j q - dmin m_j, with 6-bit sc_j and m_j and a float16 d and dmin per
+// super-block of kLevelGroups = 8 sub-blocks. Per tile and super-block, kLevelBytes bytes: d [C]
+// and dmin [C] float16, then for each sub-block j its sc_j [C] and m_j [C] uint8, side by side so
+// that one load, widening, conversion and multiplication serves both (int4_linear.py's pack_levels
+// writes them): 4.625 bits per weight with the codes, against 5.0 for a float16 scale and minimum
+// per 32, and d sc_j exact in float32 where one float16 rounds it (relative 2^-12).
+constexpr int64_t kLevelGroups = 8, kLevelBytes = kChannels * (2 + 2 + 2 * kLevelGroups);
+
 struct Operands {
-  const at::Half* scale;   // tile-major [N, groups]
-  const at::Half* offset;  // tile-major [N, groups], or null: symmetric, offset = -8 * scale
+  const at::Half* scale;   // tile-major [N, groups], or null: levels
+  const at::Half* offset;  // tile-major [N, groups], or null: symmetric, offset = -8 * scale (or levels)
   const float* xsum;       // [M, groups]: each row's sum of x over each group (the one-row path)
   const int8_t* xp;        // [K / 32, 3, 32]: the one row's digits (digit_row), or null
   const float* xd;         // [groups]: their scale per group
   const float* bias;       // [N] or null
   int64_t groups, steps;   // groups per row; column steps per (full) group
   int64_t total_steps;     // column steps per row (the last group may have fewer than `steps`)
+  const uint8_t* levels = nullptr;  // Q4_K's two levels instead of scale and offset: [N / 4, groups / 8, kLevelBytes]
 };
+
+// The tile at channel n's levels (full tiles: st = n x groups).
+inline const uint8_t* tile_levels(const Operands& o, int64_t st) {
+  return o.levels + st / kLevelGroups * (kLevelBytes / kChannels);
+}
 
 // W bytes -> the codes of columns j and W + j as floats.
 inline void codes(const uint8_t* p, Vec& lo, Vec& hi) {
@@ -183,6 +198,31 @@ inline Vec spread4(__m128 v) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 #endif
 }
+
+// The levels' scales and offsets of a tile's groups in turn, spread as spread4 spreads 4 values:
+// next() gives group grp's (called for grp = 0, 1, ...). A sub-block's sc_j and m_j (8 bytes) are
+// widened, converted and multiplied by (d, -dmin) in one 256-bit vector, then each half spread.
+struct LevelParams {
+  const uint8_t* p;
+  __m256 dm;  // the super-block's d [4] and -dmin [4]
+  int64_t j = 0;
+  explicit LevelParams(const uint8_t* levels) : p(levels) {}
+  void next(Vec& scv, Vec& ofv) {
+    if (j == 0)
+      dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                         _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1));
+    const __m256 v = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4 * kChannels + 8 * j)))));
+#if defined(__AVX512F__)
+    scv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps256_ps512(v));
+    ofv = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), _mm512_castps256_ps512(v));
+#else
+    scv = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    ofv = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+#endif
+    if (++j == kLevelGroups) j = 0, p += kLevelBytes;
+  }
+};
 #endif
 
 // Integer vectors of the weights' bytes (one step of a tile per vector) and the activations broadcast
@@ -474,9 +514,11 @@ inline void store_rows(const Vec* acc, int64_t m, int64_t n, float* y, int64_t N
 // kLanes lanes at -8 / kLanes times the block's code sum (exact: kLanes is 4 or 2), so the group
 // needs no offset term: at groups of 32 (GGUF Q4_0) the offset's conversion, spread and FMA per
 // block were a third of the work.
-template <int R, int C, bool Symmetric>
+// Levels: Q4_K's two scale levels (full tiles, groups of 32, a minimum) instead of float16 ones.
+template <int R, int C, bool Symmetric, bool Levels = false>
 inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st, int64_t n, float* y, int64_t N,
                     const Operands& o) {
+  static_assert(!Levels || (C == kChannels && !Symmetric), "levels: full tiles with a minimum");
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   const uint8_t* p = wt;
@@ -488,10 +530,13 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
   const float* db = a.di + m;
   const int32_t* cb = a.ci + m;
   int64_t blk = 0;
+  LevelParams levels(Levels ? tile_levels(o, st) : nullptr);
   for (int64_t grp = 0; grp < o.groups; ++grp) {
     float sc[kChannels] = {}, of[kChannels] = {};
-    halves_to_floats<C>(o.scale + st + grp * C, sc);
-    if constexpr (!Symmetric) halves_to_floats<C>(o.offset + st + grp * C, of);
+    if constexpr (!Levels) {
+      halves_to_floats<C>(o.scale + st + grp * C, sc);
+      if constexpr (!Symmetric) halves_to_floats<C>(o.offset + st + grp * C, of);
+    }
     Vec part[R];
     for (int r = 0; r < R; ++r) part[r] = vzero();
     for (const int64_t end = std::min(blk + blocks_per_group, a.blocks); blk < end;
@@ -504,27 +549,29 @@ inline void tile_a8(const Int8Rows& a, int64_t m, const uint8_t* wt, int64_t st,
         part[r] = vfma(sum, vset1(db[r]), part[r]);
       }
     }
-    const Vec scv = spread4(_mm_loadu_ps(sc));
+    Vec scv, ofv;
+    if constexpr (Levels) levels.next(scv, ofv);
+    else scv = spread4(_mm_loadu_ps(sc));
     if constexpr (Symmetric) {
       for (int r = 0; r < R; ++r) acc[r] = vfma(part[r], scv, acc[r]);
     } else {
-      const Vec ofv = spread4(_mm_loadu_ps(of));
+      if constexpr (!Levels) ofv = spread4(_mm_loadu_ps(of));
       for (int r = 0; r < R; ++r) acc[r] = vfma(ofv, vset1(a.xsum[(m + r) * a.groups + grp]), vfma(part[r], scv, acc[r]));
     }
   }
   store_rows<R, C>(acc, m, n, y, N, o.bias);
 }
 
-template <int C, bool Symmetric>
+template <int C, bool Symmetric, bool Levels = false>
 inline void rows_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, float* y, int64_t N,
                     const Operands& o) {
   const int64_t st = n * o.groups;
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile_a8<kRows, C, Symmetric>(a, m, wt, st, n, y, N, o);
+  for (; m + kRows <= M; m += kRows) tile_a8<kRows, C, Symmetric, Levels>(a, m, wt, st, n, y, N, o);
   switch (M - m) {
-    case 3: tile_a8<3, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
-    case 2: tile_a8<2, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
-    case 1: tile_a8<1, C, Symmetric>(a, m, wt, st, n, y, N, o); break;
+    case 3: tile_a8<3, C, Symmetric, Levels>(a, m, wt, st, n, y, N, o); break;
+    case 2: tile_a8<2, C, Symmetric, Levels>(a, m, wt, st, n, y, N, o); break;
+    case 1: tile_a8<1, C, Symmetric, Levels>(a, m, wt, st, n, y, N, o); break;
     default: break;
   }
 }
@@ -532,6 +579,9 @@ inline void rows_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, 
 template <int C>
 inline void channels_a8(const Int8Rows& a, int64_t M, const uint8_t* wt, int64_t n, float* y, int64_t N,
                         const Operands& o) {
+  if constexpr (C == kChannels) {
+    if (o.levels) return rows_a8<C, false, true>(a, M, wt, n, y, N, o);
+  }
   if (o.offset) rows_a8<C, false>(a, M, wt, n, y, N, o);
   else rows_a8<C, true>(a, M, wt, n, y, N, o);
 }
@@ -590,6 +640,16 @@ inline Vec span_params(const at::Half* p, int64_t have, IVec index) {
 #endif
 }
 
+// kWidth bytes from p (a tile's Q4_K sc or m of the span's groups, [groups][C]) as floats, lane l taking
+// byte index[l] (span_params' index).
+inline Vec level_bytes(const uint8_t* p, IVec index) {
+#if defined(__AVX512F__)
+  return _mm512_permutexvar_ps(index, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  return _mm256_permutevar8x32_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), index);
+#endif
+}
+
 #if defined(__AVX512F__)
 // A 4 x 4 transpose of dwords inside each 128-bit lane: dword j of r[b]'s lane c -> dword b of q[j]'s
 // lane c (4 vectors of 4 channels' 16 bytes of one block each -> lane 4c + b of q[j] holding channel
@@ -643,6 +703,21 @@ inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0
 #endif
     // the span's groups: from g0, at most B (groups of 32), each C halves in the tile-major order
     const int64_t g0 = blk0 * kBlock / group_cols, have = std::min<int64_t>(kWidth, (o.groups - g0) * kChannels);
+    if (o.levels) {  // groups of 32: the span's groups lie in one super-block; lane (c, b) takes d or dmin of c
+      const uint8_t* lv = tile_levels(o, st) + g0 / kLevelGroups * kLevelBytes;
+      alignas(16) uint8_t sc[16] = {}, mn[16] = {};  // the span's groups' sc and m, [groups][C] as span_params reads
+      for (int64_t b = 0; b < kSpanBlocks; ++b) {
+        const uint8_t* sub = lv + 4 * kChannels + 2 * kChannels * (g0 % kLevelGroups + b);
+        std::memcpy(sc + b * kChannels, sub, kChannels);
+        std::memcpy(mn + b * kChannels, sub + kChannels, kChannels);
+      }
+      alignas(16) float d[kChannels], dmin[kChannels];
+      halves_to_floats<kChannels>(reinterpret_cast<const at::Half*>(lv), d);
+      halves_to_floats<kChannels>(reinterpret_cast<const at::Half*>(lv) + kChannels, dmin);
+      sv[s] = vmul(spread4(_mm_load_ps(d)), level_bytes(sc, index));
+      ov[s] = vmul(spread4(_mm_sub_ps(_mm_setzero_ps(), _mm_load_ps(dmin))), level_bytes(mn, index));
+      continue;
+    }
     sv[s] = span_params(o.scale + st + g0 * kChannels, have, index);
     if (o.offset) ov[s] = span_params(o.offset + st + g0 * kChannels, have, index);
     else if (with_offset) ov[s] = vmul(sv[s], vset1(-8.f));
@@ -1543,6 +1618,23 @@ Operands checked_operands(const char* op, const torch::Tensor& w, int64_t K, con
                           const c10::optional<torch::Tensor>& offset_opt, const c10::optional<torch::Tensor>& bias_opt,
                           torch::Tensor& offset, torch::Tensor& bias, int64_t& group_cols) {
   const int64_t N = w.size(0);
+  if (scale.scalar_type() == torch::kUInt8) {  // Q4_K's two levels (see kLevelBytes)
+    constexpr int64_t row_bytes = kLevelBytes / kChannels;
+    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && N % kChannels == 0 && scale.is_contiguous() &&
+                    scale.size(1) % row_bytes == 0 && scale.size(1) / row_bytes * kLevelGroups * kBlock == K,
+                op, ": two-level scales must be uint8 [N, K / 256 x ", row_bytes, "] with N a multiple of ", kChannels,
+                " (pack_levels), got ", scale.sizes(), " for N = ", N, ", K = ", K);
+    TORCH_CHECK(!(offset_opt.has_value() && offset_opt->defined()), op, ": two-level scales hold their minimums");
+    if (bias_opt.has_value() && bias_opt->defined() && bias_opt->numel() > 0) {
+      bias = bias_opt->to(torch::kFloat32).contiguous();
+      TORCH_CHECK(bias.numel() == N, op, ": bias must have ", N, " elements");
+    }
+    group_cols = kBlock;
+    Operands o{nullptr, nullptr, nullptr, nullptr, nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+               K / kBlock, kBlock / kStepCols, K / kStepCols};
+    o.levels = scale.data_ptr<uint8_t>();
+    return o;
+  }
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == torch::kHalf && scale.is_contiguous(),
               op, ": scale must be float16 [", N, ", groups] from int4_pack_groups, got ", scale.sizes());
   const int64_t groups = scale.size(1);
@@ -1674,6 +1766,7 @@ inline int64_t float_panel_min_rows(int64_t) { return kFloatPanelMinRows; }
 
 // The W4A16 product of float32 rows xf [M, K].
 torch::Tensor run_float(const torch::Tensor& xf, const torch::Tensor& w, Operands o, int64_t group_cols) {
+  TORCH_CHECK(!o.levels, "int4_linear: two-level (Q4_K) scales need int8 activations on a CPU with AVX2");
   const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), groups = o.groups;
 #if defined(FIVEFOLD_W4_SPLIT)
   // The row that tile_row would take (one left over by the row tiles below the float panels'
@@ -1805,8 +1898,9 @@ torch::Tensor run_int8(const int8_t* xq, const float* d, int64_t M, int64_t K, c
   int64_t n0 = 0;  // channels the panels did; the rest (an odd tile, the narrow last one) tile by tile
 #if defined(FIVEFOLD_A8_PANELS)
   if (M >= a8_panel_min_rows(group_cols)) {
-    const Int8PanelRows rows(a, M, /*code_offset=*/o.offset ? 0 : 8);
-    n0 = o.offset ? run_panels<Int8Panel, false>(rows, M, K, wp, N, yp, o, group_cols)
+    const bool minimum = o.offset || o.levels;
+    const Int8PanelRows rows(a, M, /*code_offset=*/minimum ? 0 : 8);
+    n0 = minimum ? run_panels<Int8Panel, false>(rows, M, K, wp, N, yp, o, group_cols)
                   : run_panels<Int8Panel, true>(rows, M, K, wp, N, yp, o, group_cols);
   }
 #endif
@@ -1868,6 +1962,7 @@ torch::Tensor int4_dequantize(torch::Tensor w, torch::Tensor scale, const c10::o
   torch::Tensor offset, bias;
   int64_t group_cols = 0;
   const Operands o = checked_operands("int4_dequantize", w, K, scale, offset_opt, c10::nullopt, offset, bias, group_cols);
+  TORCH_CHECK(!o.levels, "int4_dequantize: two-level (Q4_K) scales are not dequantized here");
   auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();

@@ -24,7 +24,7 @@ from torch import nn
 
 from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
-from fivefold.models.int4_linear import Int4Format, Int4Linear, Int4Quantized
+from fivefold.models.int4_linear import Int4Format, Int4Levels, Int4Linear, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
 from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, RotaryEmbedding, SplitLinear
 from fivefold.models.llama import LlamaForCausalLM
@@ -146,8 +146,11 @@ def _cat(parts: list, dtype: torch.dtype) -> torch.Tensor | GroupQuantized | Int
             parts = [p if p.offset is not None else Int4Quantized(p.q, p.scale, -8 * p.scale, p.group_size)
                      for p in parts]
         offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
+        levels = None  # Q4_K's two levels, where every part has them
+        if all(p.levels is not None for p in parts):
+            levels = Int4Levels(*(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("sc", "m", "d", "dmin")))
         return Int4Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
-                             parts[0].group_size)
+                             parts[0].group_size, levels)
     if all(isinstance(p, (GroupQuantized, Int4Quantized)) for p in parts) and any(
             isinstance(p, GroupQuantized) for p in parts):
         split = _split_runs(parts) if len(parts) == 3 else None  # q/k/v (gate/up mixes stay one int8 weight)

@@ -127,15 +127,13 @@ def _projection_tensors(loaded, qtype: str):
 
 def _rows(value, start: int, size: int):
     if isinstance(value, Int4Quantized):
-        return Int4Quantized(value.q[start:start + size], value.scale[start:start + size],
-                             None if value.offset is None else value.offset[start:start + size], value.group_size)
+        return value.map_rows(lambda t: t[start:start + size])
     return value[start:start + size]
 
 
 def _apply(value, fn):
     if isinstance(value, Int4Quantized):
-        return Int4Quantized(fn(value.q).contiguous(), fn(value.scale).contiguous(),
-                             None if value.offset is None else fn(value.offset).contiguous(), value.group_size)
+        return value.map_rows(fn)
     return fn(value).contiguous()
 
 

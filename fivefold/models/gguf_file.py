@@ -27,7 +27,7 @@ import torch
 
 from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
-from fivefold.models.int4_linear import Int4Quantized
+from fivefold.models.int4_linear import Int4Levels, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -143,9 +143,13 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # Bits per weight of the block types served as they are (codes and scales as held in memory: Q8_0
 # as stored; Q6_K's 6-bit codes widened to int8 with a float16 scale per 16, or with --quantization
 # gguf (int8 activations) kept at 6 bits (fivefold::q6_pack); the 4-bit kernel's float16 scale (and
-# minimum) per 32, Q4_K's products of its two scale levels included).
+# minimum) per 32, Q4_K's products of its two scale levels included, or with --quantization gguf
+# its two levels as stored, sc and m a byte each per 32, d and dmin per 256 (int4_linear.py's
+# pack_levels)).
 SERVED_BITS = {"Q8_0": 8.5, "Q6_K": 9.0, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 5.0}
 Q6_K_SIX_BITS = 7.0
+Q4_K_LEVEL_BITS = 4.625
+INT8_ACTIVATION_BITS = {"Q6_K": Q6_K_SIX_BITS, "Q4_K": Q4_K_LEVEL_BITS}
 EIGHT_BIT = ("Q8_0", "Q6_K")  # kept int8 whatever the served dtype
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # kept 4-bit with --quantization gguf
 
@@ -162,7 +166,7 @@ def gguf_served_bits(reader, keep_4bit: bool) -> float | None:
         if kind not in EIGHT_BIT and not (keep_4bit and kind in FOUR_BIT):
             return None
         n = int(t.n_elements)
-        served = Q6_K_SIX_BITS if keep_4bit and kind == "Q6_K" else SERVED_BITS[kind]
+        served = INT8_ACTIVATION_BITS.get(kind, SERVED_BITS[kind]) if keep_4bit else SERVED_BITS[kind]
         bits, count = bits + served * n, count + n
     return bits / count if count else None
 
@@ -194,7 +198,9 @@ def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
     its codes the low nibbles of bytes 32 (j // 2) .. + 31 for even j, the high ones for odd j.
     Each sub-block's scale d sc_j and minimum -dmin m_j become one float16 each: the products are
     rounded to float16 (a relative 2^-12 at most, against the 4-bit step's 1/15 of the range), the
-    one place this load is not exact; the file holds 4.5 bits per weight, the kernel's form 5.0."""
+    one place this load is not exact; the file holds 4.5 bits per weight, that form 5.0. The two
+    levels ride along (``levels``): with int8 activations the kernel reads them as they are
+    (4.625 bits per weight, d sc_j exact)."""
     blocks = np.asarray(data).reshape(-1, 144)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
@@ -208,7 +214,12 @@ def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
     groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
     scale = torch.from_numpy((d * sc).astype(np.float16).reshape(groups))
     offset = torch.from_numpy((-(dmin * mn)).astype(np.float16).reshape(groups))
-    return Int4Quantized(torch.from_numpy(np.ascontiguousarray(q)).reshape(shape), scale, offset, Q4_BLOCK)
+    supers = (*shape[:-1], shape[-1] // K_BLOCK)
+    levels = Int4Levels(torch.from_numpy(np.ascontiguousarray(sc).reshape(groups)),
+                        torch.from_numpy(np.ascontiguousarray(mn).reshape(groups)),
+                        torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).reshape(supers)),
+                        torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(supers)))
+    return Int4Quantized(torch.from_numpy(np.ascontiguousarray(q)).reshape(shape), scale, offset, Q4_BLOCK, levels)
 
 
 Q6_K_GROUP = 16  # weights per Q6_K scale
@@ -312,7 +323,5 @@ def _unpermute(weight, num_heads: int):
         return GroupQuantized(_unpermute_rope(weight.q, num_heads), _unpermute_rope(weight.scale, num_heads),
                               weight.group_size)
     if isinstance(weight, Int4Quantized):
-        offset = None if weight.offset is None else _unpermute_rope(weight.offset, num_heads).contiguous()
-        return Int4Quantized(_unpermute_rope(weight.q, num_heads).contiguous(),
-                             _unpermute_rope(weight.scale, num_heads).contiguous(), offset, weight.group_size)
+        return weight.map_rows(lambda t: _unpermute_rope(t, num_heads))
     return _unpermute_rope(weight, num_heads)

@@ -97,19 +97,80 @@ def check_shape(in_features: int, what: str = "in_features") -> None:
         raise FivefoldError(f"4-bit weights need {what} to be a multiple of {COLUMN_MULTIPLE}, got {in_features}")
 
 
+LEVEL_GROUPS = 8  # groups of 32 per GGUF Q4_K super-block (int4_linear.cpp's kLevelGroups)
+LEVEL_ROW_BYTES = 20  # bytes per channel and super-block in the kernel's layout (kLevelBytes / 4)
+
+
+@dataclass(frozen=True)
+class Int4Levels:
+    """GGUF Q4_K's two scale levels of a weight [N, K]: group j (32 columns) of a row is
+    ``w = d sc_j q - dmin m_j``, with ``sc``, ``m`` uint8 [N, K / 32] (6 bits) and ``d``, ``dmin``
+    float16 [N, K / 256] (one per super-block of 8 groups)."""
+
+    sc: torch.Tensor
+    m: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    def scale(self) -> torch.Tensor:
+        """The float16 scale per group, d sc_j rounded once (the one-level form)."""
+        return (self.d.float().repeat_interleave(LEVEL_GROUPS, 1) * self.sc.float()).half()
+
+    def offset(self) -> torch.Tensor:
+        return (-(self.dmin.float().repeat_interleave(LEVEL_GROUPS, 1) * self.m.float())).half()
+
+    def map_rows(self, fn) -> "Int4Levels":
+        return Int4Levels(*(fn(t).contiguous() for t in (self.sc, self.m, self.d, self.dmin)))
+
+
+def pack_levels(levels: Int4Levels) -> torch.Tensor:
+    """The kernel's layout of Q4_K's levels, uint8 [N, K / 256 x 20]: per tile of 4 channels and
+    super-block, d [4] and dmin [4] float16, then for each group j sc_j [4] and m_j [4]
+    (int4_linear.cpp, kLevelBytes)."""
+    n, groups = levels.sc.shape
+    t, s = n // KERNEL_TILE, groups // LEVEL_GROUPS
+    halves = [h.contiguous().view(torch.uint8).reshape(t, KERNEL_TILE, s, 2).permute(0, 2, 1, 3).reshape(t, s, -1)
+              for h in (levels.d, levels.dmin)]
+    codes = torch.stack([c.reshape(t, KERNEL_TILE, s, LEVEL_GROUPS) for c in (levels.sc, levels.m)])  # [2, t, 4, s, 8]
+    codes = codes.permute(1, 3, 4, 0, 2).reshape(t, s, -1)  # [t, s, 8, 2, 4]
+    return torch.cat(halves + [codes], dim=2).reshape(n, s * LEVEL_ROW_BYTES).contiguous()
+
+
+def unpack_levels(packed: torch.Tensor) -> Int4Levels:
+    """The inverse of :func:`pack_levels` (whole tiles of it)."""
+    n, s = packed.shape[0], packed.shape[1] // LEVEL_ROW_BYTES
+    t = n // KERNEL_TILE
+    b = packed.reshape(t, s, KERNEL_TILE * LEVEL_ROW_BYTES)
+    step = 2 * KERNEL_TILE
+    halves = [b[:, :, i * step:(i + 1) * step].reshape(t, s, KERNEL_TILE, 2).permute(0, 2, 1, 3)
+              .reshape(n, 2 * s).contiguous().view(torch.float16) for i in (0, 1)]
+    codes = b[:, :, 2 * step:].reshape(t, s, LEVEL_GROUPS, 2, KERNEL_TILE).permute(3, 0, 4, 1, 2)  # [2, t, 4, s, 8]
+    sc, m = (c.reshape(n, s * LEVEL_GROUPS).contiguous() for c in codes)
+    return Int4Levels(sc, m, halves[0], halves[1])
+
+
 @dataclass
 class Int4Quantized:
     """A 4-bit weight as computed or read: codes ``q`` uint8 [N, K] (0..15, one per byte), ``scale``
-    float16 [N, groups], ``offset`` float16 [N, groups] or None (symmetric: q - 8)."""
+    float16 [N, groups], ``offset`` float16 [N, groups] or None (symmetric: q - 8); ``levels``: a
+    GGUF Q4_K's two scale levels, of which scale and offset are the one-level rounding (None
+    otherwise)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     group_size: int
+    levels: Int4Levels | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    def map_rows(self, fn) -> "Int4Quantized":
+        """The weight with ``fn`` (a row permutation or slice) applied to every per-row tensor."""
+        return Int4Quantized(fn(self.q).contiguous(), fn(self.scale).contiguous(),
+                             None if self.offset is None else fn(self.offset).contiguous(), self.group_size,
+                             None if self.levels is None else self.levels.map_rows(fn))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(self.q, self.scale, self.offset, self.group_size).to(dtype)
@@ -191,6 +252,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("offset", None if fmt.symmetric else torch.zeros(out_features, groups, dtype=torch.float16))
         self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
         self._prepared: dict | None = None  # the kernel's operands, when it is built and the layer packed
+        self._levels: Int4Levels | None = None  # a Q4_K's two scale levels, until pack_ lays them out
 
     @classmethod
     def from_quantized(cls, quantized: Int4Quantized, bias: torch.Tensor | None = None,
@@ -208,6 +270,8 @@ class Int4Linear(nn.Module):
             module.offset = quantized.offset.to(torch.float16).contiguous()
         if bias is not None:
             module.bias = bias.detach().float().contiguous()
+        if quantized.levels is not None and module._levels_fit():
+            module._levels = quantized.levels
         return module.pack_()
 
     @classmethod
@@ -227,7 +291,30 @@ class Int4Linear(nn.Module):
         from dataclasses import replace
 
         self.format = replace(self.format, activations=activations)
+        self._hold_levels()
         return self
+
+    def _levels_fit(self) -> bool:
+        """Whether the kernel takes this layer's Q4_K levels as they are: groups of 32 with a
+        minimum, whole super-blocks of 256 columns and tiles of 4 channels, a CPU with AVX2."""
+        from fivefold.platform import current_platform
+
+        return (self.format.group_size == 32 and not self.format.symmetric and self.in_features % 256 == 0
+                and self.out_features % KERNEL_TILE == 0 and current_platform().has("avx2"))
+
+    def _hold_levels(self) -> None:
+        """With int8 activations the kernel reads a Q4_K's two levels (4.625 bits per weight with the
+        codes, d sc_j exact); the float-activation kernels read a float16 scale and minimum per group
+        (5.0 bits), made from the levels while they are needed."""
+        p = self._prepared
+        levels = None if p is None else p.get("levels")
+        if levels is None:
+            return
+        if self.int8_activations:
+            p["scale"], p["offset"] = levels, None
+        elif p["scale"] is levels:
+            ops, lv = int4_ops(), unpack_levels(levels)
+            p["scale"], p["offset"] = ops.int4_pack_groups(lv.scale(), True), ops.int4_pack_groups(lv.offset(), True)
 
     @property
     def kernel(self) -> str:
@@ -243,16 +330,27 @@ class Int4Linear(nn.Module):
             del q
             for name in ("qweight", "scale", "offset"):
                 self._buffers[name] = None
+            if self._levels is not None:
+                self._prepared["levels"] = pack_levels(self._levels)
+                self._levels = None
+                self._hold_levels()
         return self
+
+    def _groups(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, offset) float16 [N, groups] row-major, from the kernel's layout."""
+        p, ops = self._prepared, int4_ops()
+        if p["offset"] is None and p.get("levels") is p["scale"]:
+            lv = unpack_levels(p["levels"])
+            return lv.scale(), lv.offset()
+        offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"], False)
+        return ops.int4_pack_groups(p["scale"], False), offset
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q uint8 [N, K], scale, offset) row-major, unpacked from the kernel's layout if need be."""
         p = self._prepared
         if p is None:
             return unpack_nibbles(self.qweight), self.scale, self.offset
-        ops = int4_ops()
-        offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"], False)
-        return ops.int4_unpack(p["w"]), ops.int4_pack_groups(p["scale"], False), offset
+        return (int4_ops().int4_unpack(p["w"]), *self._groups())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight, float32 [len(ids), K] (a tied embedding's lookups:
@@ -265,9 +363,13 @@ class Int4Linear(nn.Module):
         else:
             ops = int4_ops()
             q = gather_tile_rows(p["w"], ids, KERNEL_TILE, ops.int4_unpack)
-            scale = gather_tile_rows(p["scale"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
-            offset = None if p["offset"] is None else gather_tile_rows(
-                p["offset"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
+            if p["offset"] is None and p.get("levels") is p["scale"]:
+                scale = gather_tile_rows(p["levels"], ids, KERNEL_TILE, lambda t: unpack_levels(t).scale())
+                offset = gather_tile_rows(p["levels"], ids, KERNEL_TILE, lambda t: unpack_levels(t).offset())
+            else:
+                scale = gather_tile_rows(p["scale"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
+                offset = None if p["offset"] is None else gather_tile_rows(
+                    p["offset"], ids, KERNEL_TILE, lambda t: ops.int4_pack_groups(t, False))
         return dequantize_int4(q, scale, offset, self.format.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:

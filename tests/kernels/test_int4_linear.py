@@ -19,13 +19,16 @@ from fivefold.errors import FivefoldError
 from fivefold.kernels import int4_ops
 from fivefold.models.int4_linear import (
     Int4Format,
+    Int4Levels,
     Int4Linear,
     Int4Quantized,
     dequantize_activations,
     dequantize_int4,
+    pack_levels,
     pack_nibbles,
     quantize_activations,
     quantize_int4,
+    unpack_levels,
     unpack_nibbles,
 )
 from fivefold.models import int4_linear
@@ -128,6 +131,95 @@ def test_int8_activations_match_float64_on_the_quantized_rows(rows, n, k, group,
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
     torch.testing.assert_close(ops.int4_linear_int8(xq, xs, w, s, o, bias).double(), ref, rtol=1e-5,
                                atol=1e-5 * k ** 0.5)
+
+
+def _levels(n, k, gen, lo=0, hi=64):
+    """Random Q4_K levels of a weight [n, k]: sc and m in [lo, hi), d and dmin float16 around 1e-3."""
+    return Int4Levels(torch.randint(lo, hi, (n, k // 32), dtype=torch.uint8, generator=gen),
+                      torch.randint(lo, hi, (n, k // 32), dtype=torch.uint8, generator=gen),
+                      (torch.rand(n, k // 256, generator=gen) * 2e-3 + 1e-5).half(),
+                      (torch.rand(n, k // 256, generator=gen) * 2e-3).half())
+
+
+def _level_weights(q, levels):
+    """d sc_j q - dmin m_j in float64: the weights a Q4_K super-block means, no rounding."""
+    scale = levels.d.double().repeat_interleave(8, 1) * levels.sc.double()
+    offset = -levels.dmin.double().repeat_interleave(8, 1) * levels.m.double()
+    return q.double() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+
+
+def test_pack_levels_round_trips():
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(4, 256), (36, 512), (8, 4096)]:
+        levels = _levels(n, k, gen)
+        packed = pack_levels(levels)
+        assert packed.dtype == torch.uint8 and packed.shape == (n, k // 256 * 20)
+        back = unpack_levels(packed)
+        for field in ("sc", "m", "d", "dmin"):
+            assert torch.equal(getattr(back, field), getattr(levels, field)), field
+        # a tile's first super-block: d [4] and dmin [4] float16, then sc_j [4] and m_j [4] for j = 0..7
+        tile = packed[:4].reshape(-1)[:80]
+        assert torch.equal(tile[:8].view(torch.float16), levels.d[:4, 0])
+        assert torch.equal(tile[8:16].view(torch.float16), levels.dmin[:4, 0])
+        assert torch.equal(tile[16:].reshape(8, 2, 4)[:, 0], levels.sc[:4, :8].t())
+        assert torch.equal(tile[16:].reshape(8, 2, 4)[:, 1], levels.m[:4, :8].t())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 17, 64, 70])
+@pytest.mark.parametrize("n,k", [(64, 256), (36, 1024), (8, 4096)])
+def test_q4_k_levels_times_int8_activations_match_float64(rows, n, k):
+    """Q4_K's two levels as stored (sc, m per 32, d, dmin per 256): the float64 product of the
+    quantized rows and the exact weights d sc_j q - dmin m_j, at the row tiles (1-8 rows, AVX-512
+    VNNI; AVX2 to 9) and the panels (from 9 and 10 rows); the one-level float16 form of the same
+    weights within its rounding."""
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(rows * 100 + n + k)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    levels = _levels(n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(k, generator=gen) * 4
+    w, packed = ops.int4_pack(q), pack_levels(levels)
+    xq, xs = quantize_activations(x)
+    ref = dequantize_activations(xq, xs).double() @ _level_weights(q, levels).t() + bias.double()
+    y = ops.int4_linear(x, w, packed, None, bias, True)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(ops.int4_linear_int8(xq, xs, w, packed, None, bias).double(), ref, rtol=1e-5,
+                               atol=1e-5 * k ** 0.5)
+    one_level = ops.int4_linear(x, w, ops.int4_pack_groups(levels.scale(), True),
+                                ops.int4_pack_groups(levels.offset(), True), bias, True)
+    torch.testing.assert_close(one_level, y, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6, 12])
+def test_q4_k_level_sums_are_exact_on_saturating_operands(rows):
+    """Codes 15 and 0, sc = m = 1 and d = dmin = 1 against activations -127 and 127 (d = 1): every
+    output is the int64 sum of q x - x exactly (K = 2048: at most 2048 x 16 x 127 < 2^24)."""
+    ops = int4_ops()
+    n, k = 36, 2048
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    q[1::3, ::2] = 0
+    q[2::5] = torch.randint(0, 16, (len(range(2, n, 5)), k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    _, x = saturating_operands(n, k, 0, 15, rows, seed=2)
+    ones = torch.ones(n, k // 256, dtype=torch.float16)
+    levels = Int4Levels(torch.ones(n, k // 32, dtype=torch.uint8), torch.ones(n, k // 32, dtype=torch.uint8), ones, ones)
+    y = ops.int4_linear(x, ops.int4_pack(q), pack_levels(levels), None, None, True)
+    want = x.long() @ (q.long() - 1).t()
+    assert torch.equal(y.double(), want.double())
+
+
+def test_q4_k_levels_refuse_what_they_cannot_take():
+    ops = int4_ops()
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (8, 512), dtype=torch.uint8, generator=gen)
+    packed = pack_levels(_levels(8, 512, gen))
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match="need int8 activations"):
+        ops.int4_linear(x, ops.int4_pack(q), packed, None, None, False)
+    with pytest.raises(RuntimeError, match="two-level scales must be uint8"):
+        ops.int4_linear(x, ops.int4_pack(q), packed[:, :20], None, None, True)
+    with pytest.raises(RuntimeError, match="hold their minimums"):
+        ops.int4_linear(x, ops.int4_pack(q), packed, ops.int4_pack_groups(torch.ones(8, 16, dtype=torch.float16), True),
+                        None, True)
 
 
 def test_kernel_quantizes_rows_to_the_reference_bytes():

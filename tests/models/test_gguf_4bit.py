@@ -185,9 +185,10 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
     """A Q4_K_M-like file (Q4_K projections, Q6_K ffn_down and attn_v, a Q6_K tied table) with
     --quantization gguf: Q4_K layers run the int4 kernel, Q6_K layers the int8 kernel with a float16
     scale per 16, both against int8 activations (as llama.cpp); each layer computes what its
-    dequantized weight computes, the logits agree with the dequantized model's, and the weights are
-    held at 5.0 bits (Q4_K) and 7 (Q6_K: its 6-bit codes as q6_pack holds them and a float16 scale
-    per 16, in the kernel's tile order), not in float."""
+    dequantized weight computes (Q4_K: the file's exact weights, its two scale levels held as they
+    are), the logits agree with the dequantized model's, and the weights are held at 4.625 bits
+    (Q4_K: codes, sc and m a byte per 32, d and dmin per 256) and 7 (Q6_K: its 6-bit codes as q6_pack
+    holds them and a float16 scale per 16, in the kernel's tile order), not in float."""
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, {**dict.fromkeys(PROJECTIONS, "Q4_K"), "blk.0.ffn_down.weight": "Q6_K",
                            "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q6_K"})
@@ -205,7 +206,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
         if isinstance(module, Int8Linear):
             assert module.group_size == 16 and module.int8_activations and module._prepare()["six"], name
         elif isinstance(module, Int4Linear):
-            assert module.int8_activations, name
+            assert module.int8_activations and module.kernel_tensors()[1].dtype == torch.uint8, name
         else:
             continue
         dense = (module.dequantized_weight() if isinstance(module, Int4Linear)
@@ -227,17 +228,18 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
         for rows in (1, 5, 70):
             x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
             xin = fake_int8(x) if module.int8_activations else x
+            exact = ref_dense if isinstance(module, Int4Linear) else dense  # Q4_K's levels: the file's weights
             with torch.inference_mode():
-                want = nn.functional.linear(xin.double(), dense.double()).float()
+                want = nn.functional.linear(xin.double(), exact.double()).float()
                 torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     with torch.inference_mode(), int8_inputs(reference, int8_input_layers(served)):
         ours, ref = prefill_logits(served, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    # held at 5 bits per weight (Q4_K, q and k included: codes, a float16 scale and minimum per 32)
+    # held at 4.625 bits per weight (Q4_K, q and k included: codes, sc and m per 32, d and dmin per 256)
     # and 7 (Q6_K: 6-bit codes, a float16 scale per 16), plus the float norms: nothing in float beside them
     for m in served.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):  # (an int8 layer's three activation-quantization scalars: 16 bytes)
-            held = m.in_features * m.out_features * (5 / 8 if isinstance(m, Int4Linear) else 7 / 8)
+            held = m.in_features * m.out_features * (4.625 / 8 if isinstance(m, Int4Linear) else 7 / 8)
             assert resident_weight_bytes(m) - held in (0, 16), m
     assert isinstance(served.embed_tokens, HeadRowsEmbedding) and resident_weight_bytes(served.embed_tokens) == 0
     # the memory plan's bits per layer weight: the file's mix as served; without keep_4bit, float
@@ -246,7 +248,7 @@ def test_q4_k_m_file_served_as_it_is(tmp_path):
 
     layer = {t.name: int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     six = layer["blk.0.ffn_down.weight"] + layer["blk.0.attn_v.weight"]
-    assert gguf_served_bits(reader, True) == pytest.approx((7 * six + 5 * (sum(layer.values()) - six)) / sum(layer.values()))
+    assert gguf_served_bits(reader, True) == pytest.approx((7 * six + 4.625 * (sum(layer.values()) - six)) / sum(layer.values()))
     assert gguf_served_bits(reader, False) is None
     assert NativeDecoder.unsupported_reason(served) is None  # the C++ decode loop runs the mix
 
@@ -285,6 +287,47 @@ def test_six_bit_hold_follows_the_activations_and_keeps_the_weights():
             assert torch.equal(module(x), float_out)
             module.set_activations_("int8")
             assert module._prepare()["six"] is six and torch.equal(module(x), int8_out)
+
+
+def test_q4_k_levels_follow_the_activations_and_keep_the_weights():
+    """An Int4Linear from Q4_K (two scale levels) reads the levels as stored only while it takes int8
+    activations, a float16 scale and minimum per 32 (d sc_j rounded once) while it takes float ones:
+    switching back and forth re-holds them, the results follow, and the weight, its rows and the
+    state dict stay the one-level form's. A shape the levels do not fit (out_features not a multiple
+    of 4) keeps the float16 form."""
+    from fivefold.models.int4_linear import Int4Levels, dequantize_int4
+
+    gen = torch.Generator().manual_seed(17)
+    for n, fits in ((36, True), (38, False)):
+        k = 512
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        levels = Int4Levels(torch.randint(0, 64, (n, 16), dtype=torch.uint8, generator=gen),
+                            torch.randint(0, 64, (n, 16), dtype=torch.uint8, generator=gen),
+                            (torch.rand(n, 2, generator=gen) / 500).half(), (torch.rand(n, 2, generator=gen) / 500).half())
+        quantized = Int4Quantized(q, levels.scale(), levels.offset(), 32, levels)
+        module = Int4Linear.from_quantized(quantized, torch.randn(n, generator=gen), activations="int8")
+        x = torch.randn(9, k, generator=gen)
+        one_level = dequantize_int4(q, levels.scale(), levels.offset(), 32)
+        exact = (q.double() * (levels.d.double().repeat_interleave(8, 1) * levels.sc.double()).repeat_interleave(32, 1)
+                 - (levels.dmin.double().repeat_interleave(8, 1) * levels.m.double()).repeat_interleave(32, 1))
+        held = lambda: module.kernel_tensors()[1].dtype == torch.uint8  # noqa: E731
+        with torch.inference_mode():
+            assert held() is fits
+            int8_out = module(x)
+            weights = exact if fits else one_level.double()
+            want = fake_int8(x).double() @ weights.t() + module.bias.double()
+            torch.testing.assert_close(int8_out.double(), want, rtol=1e-5, atol=1e-4)
+            assert torch.equal(module.dequantized_weight(), one_level)
+            assert torch.equal(module.rows(torch.tensor([0, 5, n - 1, 5])), one_level[[0, 5, n - 1, 5]])
+            state = module.state_dict()
+            assert torch.equal(state["scale"], levels.scale()) and torch.equal(state["offset"], levels.offset())
+            module.set_activations_("float")
+            assert not held()
+            float_out = module(x)
+            torch.testing.assert_close(float_out.double(), x.double() @ one_level.double().t() + module.bias.double(),
+                                       rtol=1e-5, atol=1e-4)
+            module.set_activations_("int8")
+            assert held() is fits and torch.equal(module(x), int8_out)
 
 
 def test_q8_0_served_as_stored_multiplies_int8_activations(tmp_path):
