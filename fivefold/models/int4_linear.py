@@ -26,6 +26,12 @@ integer dot product does 4 products per lane per instruction, and the codes need
 float) and costs a little accuracy (int8 activations per block of 32: benchmarks/int4_quality.py
 measures both).
 
+GGUF Q4_K's two scale levels (group j of 32: ``w = d sc_j q - dmin m_j``, 6-bit ``sc_j`` and
+``m_j``, float16 ``d`` and ``dmin`` per 256 columns: :class:`Int4Levels`) ride along with the
+one-level float16 form; with int8 activations the layer holds them instead, in the kernel's tile
+order (:func:`pack_levels`: 4.625 bits per weight with the codes, against 5.0, and ``d sc_j``
+exact), and goes back to the float16 form while it takes float activations.
+
 With float activations, batches up to ``fivefold.models.layers.quantized_kernel_max_rows(4)``
 rows (every batch with AVX-512 VBMI, 512 with AVX2, else 64) run the kernel, which reads each
 weight byte once per call (from 8-16 rows through panels dequantized into L1 once for all rows);
@@ -323,6 +329,8 @@ class Int4Linear(nn.Module):
     def pack_(self) -> "Int4Linear":
         """Hold the weight (and its scales) in the kernel's layout only, once the kernel is built."""
         ops = int4_ops()
+        if ops is None:
+            self._levels = None  # the PyTorch path reads the float16 form only
         if self._prepared is None and ops is not None:
             q = unpack_nibbles(self.qweight)
             self._prepared = {"w": ops.int4_pack(q), "scale": ops.int4_pack_groups(self.scale, True),
