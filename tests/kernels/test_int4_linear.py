@@ -112,7 +112,7 @@ def test_one_row_of_integers_is_summed_exactly(rows, group):
     assert bool(((y.double() - want.double()).abs() <= bound).all()), float(((y.double() - want.double()).abs() / bound).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64, 70])
 @pytest.mark.parametrize("n,k,group", [(64, 576, 32), (37, 576, 128), (6, 256, 64), (130, 512, 256), (3, 96, 32),
                                        (44, 2336, 32)])
 @pytest.mark.parametrize("symmetric", [True, False])
