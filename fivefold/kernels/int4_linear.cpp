@@ -1941,8 +1941,9 @@ void check_int8_shapes(const char* op, int64_t K, int64_t group_cols) {
 }  // namespace
 
 // x: [M, K] float32 or bfloat16; w: int4_pack's layout; scale, offset: int4_pack_groups's layout
-// (float16 [N, groups], K / groups a multiple of 2W); offset None: symmetric (q - 8); bias: [N] or
-// None. int8_activations: quantize each row per block of 32 columns and multiply with integer dot
+// (float16 [N, groups], K / groups a multiple of 2W); offset None: symmetric (q - 8); or scale uint8
+// [N, K / 256 x 20], Q4_K's two levels in pack_levels' layout (offset None, int8 activations only,
+// N a multiple of 4); bias: [N] or None. int8_activations: quantize each row per block of 32 columns and multiply with integer dot
 // products (W4A8, see above); else the float path (W4A16). Returns [M, N] in x's dtype.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                           const c10::optional<torch::Tensor>& offset_opt, const c10::optional<torch::Tensor>& bias_opt,
