@@ -271,13 +271,17 @@ class Int4Linear(nn.Module):
         if module.scale.shape != quantized.scale.shape:
             raise FivefoldError(f"4-bit scales of shape {tuple(quantized.scale.shape)} do not fit a [{n}, {k}] weight "
                                 f"in groups of {fmt.group_size}")
-        module.qweight, module.scale = pack_nibbles(quantized.q), quantized.scale.to(torch.float16).contiguous()
+        module.scale = quantized.scale.to(torch.float16).contiguous()
         if quantized.offset is not None:
             module.offset = quantized.offset.to(torch.float16).contiguous()
         if bias is not None:
             module.bias = bias.detach().float().contiguous()
         if quantized.levels is not None and module._levels_fit():
             module._levels = quantized.levels
+        if int4_ops() is not None:  # the codes straight into the kernel's layout (no row-major nibbles between)
+            module._buffers["qweight"] = None
+            return module.pack_(codes=quantized.q)
+        module.qweight = pack_nibbles(quantized.q)
         return module.pack_()
 
     @classmethod
@@ -326,13 +330,14 @@ class Int4Linear(nn.Module):
     def kernel(self) -> str:
         return f"fivefold-{self.format.scheme}" if int4_ops() is not None else "dequant"
 
-    def pack_(self) -> "Int4Linear":
-        """Hold the weight (and its scales) in the kernel's layout only, once the kernel is built."""
+    def pack_(self, codes: torch.Tensor | None = None) -> "Int4Linear":
+        """Hold the weight (and its scales) in the kernel's layout only, once the kernel is built;
+        ``codes`` (uint8 [N, K]): the codes themselves, when ``qweight`` does not hold them."""
         ops = int4_ops()
         if ops is None:
             self._levels = None  # the PyTorch path reads the float16 form only
         if self._prepared is None and ops is not None:
-            q = unpack_nibbles(self.qweight)
+            q = unpack_nibbles(self.qweight) if codes is None else codes
             self._prepared = {"w": ops.int4_pack(q), "scale": ops.int4_pack_groups(self.scale, True),
                             "offset": None if self.offset is None else ops.int4_pack_groups(self.offset, True)}
             del q
