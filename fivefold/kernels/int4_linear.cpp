@@ -202,15 +202,19 @@ inline Vec spread4(__m128 v) {
 // The levels' scales and offsets of a tile's groups in turn, spread as spread4 spreads 4 values:
 // next() gives group grp's (called for grp = 0, 1, ...). A sub-block's sc_j and m_j (8 bytes) are
 // widened, converted and multiplied by (d, -dmin) in one 256-bit vector, then each half spread.
+// A super-block's d [4] and -dmin [4] (its first 16 bytes) in one vector.
+inline __m256 level_scales(const uint8_t* p) {
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                       _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1));
+}
+
 struct LevelParams {
   const uint8_t* p;
   __m256 dm;  // the super-block's d [4] and -dmin [4]
   int64_t j = 0;
   explicit LevelParams(const uint8_t* levels) : p(levels) {}
   void next(Vec& scv, Vec& ofv) {
-    if (j == 0)
-      dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                         _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1));
+    if (j == 0) dm = level_scales(p);
     const __m256 v = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4 * kChannels + 8 * j)))));
 #if defined(__AVX512F__)
@@ -728,11 +732,9 @@ inline void code_panel(const uint8_t* wt, int64_t blocks, int64_t st, int64_t s0
         std::memcpy(sc + b * kChannels, sub, kChannels);
         std::memcpy(mn + b * kChannels, sub + kChannels, kChannels);
       }
-      alignas(16) float d[kChannels], dmin[kChannels];
-      halves_to_floats<kChannels>(reinterpret_cast<const at::Half*>(lv), d);
-      halves_to_floats<kChannels>(reinterpret_cast<const at::Half*>(lv) + kChannels, dmin);
-      sv[s] = vmul(spread4(_mm_load_ps(d)), level_bytes(sc, index));
-      ov[s] = vmul(spread4(_mm_sub_ps(_mm_setzero_ps(), _mm_load_ps(dmin))), level_bytes(mn, index));
+      const __m256 dm = level_scales(lv);
+      sv[s] = vmul(spread4(_mm256_castps256_ps128(dm)), level_bytes(sc, index));
+      ov[s] = vmul(spread4(_mm256_extractf128_ps(dm, 1)), level_bytes(mn, index));
       continue;
     }
     sv[s] = span_params(o.scale + st + g0 * kChannels, have, index);

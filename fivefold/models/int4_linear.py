@@ -322,7 +322,7 @@ class Int4Linear(nn.Module):
             return
         if self.int8_activations:
             p["scale"], p["offset"] = levels, None
-        elif p["scale"] is levels:
+        elif p["scale"] is None or self._levels_held():
             ops, lv = int4_ops(), unpack_levels(levels)
             p["scale"], p["offset"] = ops.int4_pack_groups(lv.scale(), True), ops.int4_pack_groups(lv.offset(), True)
 
@@ -338,21 +338,28 @@ class Int4Linear(nn.Module):
             self._levels = None  # the PyTorch path reads the float16 form only
         if self._prepared is None and ops is not None:
             q = unpack_nibbles(self.qweight) if codes is None else codes
-            self._prepared = {"w": ops.int4_pack(q), "scale": ops.int4_pack_groups(self.scale, True),
-                            "offset": None if self.offset is None else ops.int4_pack_groups(self.offset, True)}
+            self._prepared = {"w": ops.int4_pack(q)}
             del q
-            for name in ("qweight", "scale", "offset"):
-                self._buffers[name] = None
-            if self._levels is not None:
-                self._prepared["levels"] = pack_levels(self._levels)
+            if self._levels is not None:  # the scales the activations need follow from the levels
+                self._prepared.update(levels=pack_levels(self._levels), scale=None, offset=None)
                 self._levels = None
                 self._hold_levels()
+            else:
+                self._prepared.update(scale=ops.int4_pack_groups(self.scale, True),
+                                      offset=None if self.offset is None else ops.int4_pack_groups(self.offset, True))
+            for name in ("qweight", "scale", "offset"):
+                self._buffers[name] = None
         return self
+
+    def _levels_held(self) -> bool:
+        """Whether the kernel's scale operand is a Q4_K's two levels (int8 activations)."""
+        p = self._prepared
+        return p is not None and p.get("levels") is not None and p["scale"] is p["levels"]
 
     def _groups(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scale, offset) float16 [N, groups] row-major, from the kernel's layout."""
         p, ops = self._prepared, int4_ops()
-        if p["offset"] is None and p.get("levels") is p["scale"]:
+        if self._levels_held():
             lv = unpack_levels(p["levels"])
             return lv.scale(), lv.offset()
         offset = None if p["offset"] is None else ops.int4_pack_groups(p["offset"], False)
@@ -376,7 +383,7 @@ class Int4Linear(nn.Module):
         else:
             ops = int4_ops()
             q = gather_tile_rows(p["w"], ids, KERNEL_TILE, ops.int4_unpack)
-            if p["offset"] is None and p.get("levels") is p["scale"]:
+            if self._levels_held():
                 scale = gather_tile_rows(p["levels"], ids, KERNEL_TILE, lambda t: unpack_levels(t).scale())
                 offset = gather_tile_rows(p["levels"], ids, KERNEL_TILE, lambda t: unpack_levels(t).offset())
             else:
