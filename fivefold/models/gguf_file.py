@@ -11,7 +11,9 @@ never passing through float, and so do Q4_K's (its two scale levels multiplied i
 scale and minimum per 32); Q6_K tensors become int8 codes with a float16 scale per 16 (served like
 Q8_0, always; against int8 activations, as ``--quantization gguf`` serves them, the int8 layer holds
 the codes at 6 bits again: fivefold::q6_pack). Otherwise the 4-bit types, and the block types without a kernel yet (Q5_K, Q2_K,
-Q3_K, ...), are dequantized to float32 with a one-line note saying so.
+Q3_K, ...), are dequantized to float32 with a one-line note saying so. The 4-bit and K-quant
+blocks are unpacked by one C++ pass per tensor (``fivefold/kernels/gguf_blocks.cpp``) where the
+kernels are built, by numpy otherwise (the same numbers, tested bit for bit).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from fivefold.errors import ModelLoadError
+from fivefold.kernels import gguf_block_ops
 from fivefold.models.config import ModelConfig
 from fivefold.models.int4_linear import Int4Levels, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized
@@ -177,18 +180,30 @@ Q4_BLOCK = 32  # weights per Q4_0/Q4_1 block: a float16 scale (Q4_1: and minimum
 
 def _q4(data: np.ndarray, shape: tuple[int, ...], has_min: bool) -> Int4Quantized:
     """Q4_0 (w = d (q - 8)) or Q4_1 (w = d q + m) blocks -> codes uint8 [N, K], float16 scales (and
-    minimums) [N, K / 32]. Byte j of a block holds weight j in its low nibble and j + 16 in its high."""
-    head = 4 if has_min else 2
-    blocks = np.asarray(data).reshape(-1, head + Q4_BLOCK // 2)
+    minimums) [N, K / 32]. Byte j of a block holds weight j in its low nibble and j + 16 in its high.
+    Unpacked by ``fivefold::gguf_q4_unpack`` where the kernels are built, else by :func:`_q4_numpy`."""
+    blocks = np.asarray(data).reshape(-1, (4 if has_min else 2) + Q4_BLOCK // 2)
+    ops = gguf_block_ops()
+    q, scale, offset = ops.gguf_q4_unpack(_tensor(blocks), has_min) if ops is not None else _q4_numpy(blocks, has_min)
     groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
-    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16).reshape(groups))
-    offset = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(groups)) if has_min else None
+    return Int4Quantized(q.reshape(shape), scale.reshape(groups), offset.reshape(groups) if has_min else None,
+                         Q4_BLOCK)
+
+
+def _q4_numpy(blocks: np.ndarray, has_min: bool):
+    """Q4_0/Q4_1 blocks [B, 18 or 20] -> codes uint8 [B, 32], scale and minimum float16 [B] (Q4_0:
+    an empty minimum), as torch tensors: the reference and fallback of ``gguf_q4_unpack``."""
+    head = 4 if has_min else 2
+    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16).reshape(-1))
+    offset = (torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(-1)) if has_min
+              else torch.empty(0, dtype=torch.float16))
     nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, head:]))  # [blocks, 16]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(shape)
-    return Int4Quantized(q.contiguous(), scale.contiguous(), offset, Q4_BLOCK)
+    return torch.cat([nibbles & 15, nibbles >> 4], dim=1), scale, offset
 
 
 K_BLOCK = 256  # weights per super-block of the K-quants
+Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin, 12 bytes of 6-bit sc and m, 128 of nibbles
+Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
 
 
 def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
@@ -200,8 +215,22 @@ def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
     rounded to float16 (a relative 2^-12 at most, against the 4-bit step's 1/15 of the range), the
     one place this load is not exact; the file holds 4.5 bits per weight, that form 5.0. The two
     levels ride along (``levels``): with int8 activations the kernel reads them as they are
-    (4.625 bits per weight, d sc_j exact)."""
-    blocks = np.asarray(data).reshape(-1, 144)
+    (4.625 bits per weight, d sc_j exact). Unpacked by ``fivefold::gguf_q4_k_unpack`` where the
+    kernels are built, else by :func:`_q4_k_numpy` (the same numbers)."""
+    blocks = np.asarray(data).reshape(-1, Q4_K_BYTES)
+    ops = gguf_block_ops()
+    q, sc, mn, scale, offset = ops.gguf_q4_k_unpack(_tensor(blocks)) if ops is not None else _q4_k_numpy(blocks)
+    groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
+    supers = (*shape[:-1], shape[-1] // K_BLOCK)
+    halves = _tensor(blocks[:, 0:4]).contiguous().view(torch.float16)  # d, dmin per super-block
+    levels = Int4Levels(sc.reshape(groups), mn.reshape(groups), halves[:, 0].reshape(supers).clone(),
+                        halves[:, 1].reshape(supers).clone())
+    return Int4Quantized(q.reshape(shape), scale.reshape(groups), offset.reshape(groups), Q4_BLOCK, levels)
+
+
+def _q4_k_numpy(blocks: np.ndarray):
+    """Q4_K blocks [B, 144] -> codes [B, 256], sc and m [B, 8] (uint8), d sc and -dmin m [B, 8]
+    (float16), as torch tensors: the reference and fallback of ``gguf_q4_k_unpack``."""
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     packed = blocks[:, 4:16].astype(np.uint8)
@@ -211,15 +240,9 @@ def _q4_k(data: np.ndarray, shape: tuple[int, ...]) -> Int4Quantized:
     mn = np.concatenate([packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)], axis=1)
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # four runs of 32 bytes: sub-blocks 2i (low), 2i + 1 (high)
     q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, K_BLOCK)
-    groups = (*shape[:-1], shape[-1] // Q4_BLOCK)
-    scale = torch.from_numpy((d * sc).astype(np.float16).reshape(groups))
-    offset = torch.from_numpy((-(dmin * mn)).astype(np.float16).reshape(groups))
-    supers = (*shape[:-1], shape[-1] // K_BLOCK)
-    levels = Int4Levels(torch.from_numpy(np.ascontiguousarray(sc).reshape(groups)),
-                        torch.from_numpy(np.ascontiguousarray(mn).reshape(groups)),
-                        torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).reshape(supers)),
-                        torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(supers)))
-    return Int4Quantized(torch.from_numpy(np.ascontiguousarray(q)).reshape(shape), scale, offset, Q4_BLOCK, levels)
+    return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(sc)),
+            torch.from_numpy(np.ascontiguousarray(mn)), torch.from_numpy((d * sc).astype(np.float16)),
+            torch.from_numpy((-(dmin * mn)).astype(np.float16)))
 
 
 Q6_K_GROUP = 16  # weights per Q6_K scale
@@ -232,17 +255,32 @@ def _q6_k(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
     a float32 table read row-major ran the kernel at a third of Q8_0's rate). A super-block of 256 weights (210 bytes): 128 bytes
     of low nibbles, 64 of high bit pairs, sixteen int8 scales, float16 d. Each half of 128 weights
     takes 64 low-nibble bytes (weights 0-63 from their low nibbles, 64-127 from their high ones)
-    and 32 bytes of pairs (weight i's two high bits at bit 2 (i // 32) of byte i % 32)."""
-    blocks = np.asarray(data).reshape(-1, 210)
+    and 32 bytes of pairs (weight i's two high bits at bit 2 (i // 32) of byte i % 32). Unpacked by
+    ``fivefold::gguf_q6_k_unpack`` where the kernels are built, else by :func:`_q6_k_numpy`."""
+    blocks = np.asarray(data).reshape(-1, Q6_K_BYTES)
+    ops = gguf_block_ops()
+    q, scale = ops.gguf_q6_k_unpack(_tensor(blocks)) if ops is not None else _q6_k_numpy(blocks)
+    return GroupQuantized(q.reshape(shape), scale.reshape(*shape[:-1], shape[-1] // Q6_K_GROUP), Q6_K_GROUP)
+
+
+def _q6_k_numpy(blocks: np.ndarray):
+    """Q6_K blocks [B, 210] -> codes int8 [B, 256], scales float32 [B, 16], as torch tensors: the
+    reference and fallback of ``gguf_q6_k_unpack``."""
     low = blocks[:, :128].reshape(-1, 2, 1, 64)
     low = np.concatenate([low & 15, low >> 4], axis=2).reshape(-1, 2, 128)
     high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high & 3).reshape(-1, 2, 128)
-    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(shape)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, K_BLOCK)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
     scale = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16).astype(np.float32)
-    scale = scale.reshape(*shape[:-1], shape[-1] // Q6_K_GROUP)
-    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale), Q6_K_GROUP)
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale))
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a (read-only) slice of the file's memory map, for ops that only read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch notes the array is not writable
+        return torch.from_numpy(array)
 
 
 def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> GroupQuantized:
