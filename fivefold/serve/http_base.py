@@ -211,8 +211,23 @@ async def on_fivefold_error(_, exc: FivefoldError):
     return error_response(400, str(exc))
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready (raised by
+    :func:`await_unless_disconnected` once the work is cancelled)."""
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned: what the access log records
+
+
+async def on_client_gone(_, exc: ClientGone):
+    """Nobody reads this answer; the status (499) is for the access log and the metrics. Handled
+    here rather than left to propagate, which uvicorn logs as an exception in the application."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 EXCEPTION_HANDLERS = ((RequestValidationError, on_validation), (StarletteHTTPException, on_http_error),
-                      (Exception, on_unexpected), (APIError, on_api_error), (FivefoldError, on_fivefold_error))
+                      (Exception, on_unexpected), (APIError, on_api_error), (FivefoldError, on_fivefold_error),
+                      (ClientGone, on_client_gone))
 
 
 class ServerInfoAPI:
@@ -326,13 +341,17 @@ def build_base_app(model_name: str, metrics_text, api_key: str | None = None,
 
 async def await_unless_disconnected(request: Request, awaitables: list):
     """The results of ``awaitables``; if the client goes away first, cancel them all (a queued
-    request is dropped, a running one aborted by its own cleanup) and stop this handler."""
+    request is dropped, a running one aborted by its own cleanup) and stop this handler
+    (:class:`ClientGone`, answered 499)."""
     done = asyncio.gather(*awaitables)
+    # Once the client is gone its children are cancelled and `done` ends with their CancelledError,
+    # which nobody awaits: retrieve it, or asyncio logs "exception was never retrieved" for it.
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())
     while not done.done():
         await asyncio.wait([done], timeout=0.5)
         if not done.done() and await request.is_disconnected():
             for a in awaitables:
                 a.cancel()
             await asyncio.gather(*awaitables, return_exceptions=True)
-            raise asyncio.CancelledError
+            raise ClientGone
     return done.result()
