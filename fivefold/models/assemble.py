@@ -26,7 +26,7 @@ from fivefold.errors import ModelLoadError
 from fivefold.models.config import ModelConfig
 from fivefold.models.int4_linear import Int4Format, Int4Levels, Int4Linear, Int4Quantized
 from fivefold.models.int8_linear import GroupQuantized, Int8Format, Int8Linear
-from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, RotaryEmbedding, SplitLinear
+from fivefold.models.layers import HeadRowsEmbedding, PackedLinear, SplitLinear
 from fivefold.models.llama import LlamaForCausalLM
 from fivefold.platform import release_free_heap
 
@@ -165,7 +165,6 @@ class _Assembler:
         self.config, self.form, self.source = config, form, source
         with torch.device("meta"):
             self.model = LlamaForCausalLM(config)
-        self.model.rotary = RotaryEmbedding(config)  # its tables are computed, not loaded
         self.expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self.linears = {name for name, m in self.model.named_modules() if isinstance(m, nn.Linear)}
         self.parts: dict[str, list] = {}  # fused tensors waiting for their siblings
@@ -257,7 +256,7 @@ class _Assembler:
             return Int4Linear.from_quantized(weight, bias, GGUF_ACTIVATIONS)
         if isinstance(weight, GroupQuantized):
             fmt = Int8Format(scheme="w8a16", weight_granularity="per-group", group_size=weight.group_size)
-            module = Int8Linear(weight.q.shape[1], weight.q.shape[0], bias is not None, fmt)
+            module = Int8Linear(weight.q.shape[1], weight.q.shape[0], bias is not None, fmt, device="meta")
             module.weight, module.weight_scale = weight.q, weight.scale.float()
             if bias is not None:
                 module.bias = bias

@@ -248,15 +248,20 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """A linear layer with 4-bit weights (see the module docstring for the format and the kernels)."""
 
-    def __init__(self, in_features: int, out_features: int, has_bias: bool, fmt: Int4Format) -> None:
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, fmt: Int4Format,
+                 device: torch.device | str | None = None) -> None:
+        """Zero weights (``device="meta"``: placeholders of the right shapes, for a caller that
+        assigns every buffer, as :meth:`from_quantized` does: an 8B model's zero-filled codes were
+        3.3 GB written and dropped while loading)."""
         super().__init__()
         check_shape(in_features)
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
         groups = -(-in_features // fmt.group_size)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scale", torch.ones(out_features, groups, dtype=torch.float16))
-        self.register_buffer("offset", None if fmt.symmetric else torch.zeros(out_features, groups, dtype=torch.float16))
-        self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, groups, dtype=torch.float16, device=device))
+        self.register_buffer("offset", None if fmt.symmetric else
+                             torch.zeros(out_features, groups, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if has_bias else None)
         self._prepared: dict | None = None  # the kernel's operands, when it is built and the layer packed
         self._levels: Int4Levels | None = None  # a Q4_K's two scale levels, until pack_ lays them out
 
@@ -267,7 +272,7 @@ class Int4Linear(nn.Module):
         ``activations`` ("float" or "int8") by it."""
         n, k = quantized.q.shape
         fmt = Int4Format(group_size=quantized.group_size, symmetric=quantized.offset is None, activations=activations)
-        module = cls(k, n, bias is not None, fmt)
+        module = cls(k, n, bias is not None, fmt, device="meta")  # every buffer is assigned below
         if module.scale.shape != quantized.scale.shape:
             raise FivefoldError(f"4-bit scales of shape {tuple(quantized.scale.shape)} do not fit a [{n}, {k}] weight "
                                 f"in groups of {fmt.group_size}")

@@ -156,7 +156,10 @@ class Int8Linear(nn.Module):
     table was 6% more bytes per step, read as four more streams, and 1.2x the kernel's time at one row.
     """
 
-    def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Format) -> None:
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, config: Int8Format,
+                 device: torch.device | str | None = None) -> None:
+        """Zero weights (``device="meta"``: the weight, its scales and the bias as placeholders of
+        the right shapes, for a caller that assigns them, as the loader does with a GGUF's blocks)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.activation = config.scheme, config.activation
@@ -164,10 +167,10 @@ class Int8Linear(nn.Module):
         self.group_size = config.group_size if config.weight_granularity == "per-group" else None
         if self.group_size is not None and in_features % self.group_size:
             raise FivefoldError(f"in_features {in_features} is not a multiple of group_size {self.group_size}")
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         scale_shape = (out_features,) if self.group_size is None else (out_features, in_features // self.group_size)
-        self.register_buffer("weight_scale", torch.ones(scale_shape))
-        self.register_buffer("bias", torch.zeros(out_features) if has_bias else None)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if has_bias else None)
         self.register_buffer("input_scale", torch.tensor(1.0))
         self.register_buffer("input_zero_point", torch.tensor(0, dtype=torch.int32))
         self.register_buffer("input_clip", torch.tensor([-math.inf, math.inf]))

@@ -67,11 +67,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config)  # [D/2]
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Computed, never loaded: on the CPU even inside a model built on the meta device (the
+        # loaders build it there), where these ops would also cost torch's ~1 s lazy import of
+        # its meta functions.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(config)  # [D/2]
+            positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
+            self.register_buffer("cos", freqs.cos(), persistent=False)
+            self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for the batch's positions, [T, 1, D/2]; computed once per step."""

@@ -249,7 +249,6 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
     ``qconfig["int4"]`` lists with their group size, every tensor assigned once."""
     from fivefold.models.int4_linear import Int4Format, Int4Linear
     from fivefold.models.int8_linear import Int8Format, Int8Linear
-    from fivefold.models.layers import RotaryEmbedding
 
     if qconfig.get("format_version") != FORMAT_VERSION:
         raise ModelLoadError(f"{directory}: quantized format version {qconfig.get('format_version')} is not "
@@ -277,7 +276,6 @@ def load_quantized_model(directory: Path, model_config: ModelConfig, dtype: torc
                 continue
             fmt = (Int8Format("w8a16", "per-group", group_size=grouped[name]) if name in grouped else int8_format)
             model.set_submodule(name, Int8Linear(linear.in_features, linear.out_features, has_bias, fmt))
-    model.rotary = RotaryEmbedding(model_config)
     tied = model_config.is_tied_embeddings and "lm_head.weight" not in names
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     seen = set()
