@@ -22,7 +22,7 @@ their pure-PyTorch path; the choice is reported by :func:`kernel_status`.
   zero point or minimum; GGUF Q4_0/Q4_1 blocks as they are), times float activations (W4A16) or
   int8 activations per block of 32 with integer dot products (W4A8: VNNI, or vpmaddubsw on AVX2);
 - ``fused_ops.cpp``: the decoder's fused elementwise chains (add + RMSNorm, SiLU * up, RoPE on q and k);
-- ``gguf_blocks.cpp``: GGUF's Q4_K and Q6_K super-blocks unpacked to codes and scales at load time;
+- ``gguf_blocks.cpp``: GGUF's Q4_0, Q4_1, Q4_K and Q6_K blocks unpacked to codes and scales at load time;
 - ``decode_loop.cpp``: the decoder's layer loop of a decode step, calling the kernels above (and
   oneDNN's GEMM) without a Python call between them.
 """
@@ -180,8 +180,8 @@ def fused_ops():
 
 
 def gguf_block_ops():
-    """``torch.ops.fivefold`` with ``gguf_q4_k_unpack`` and ``gguf_q6_k_unpack``, or None (the loader
-    then unpacks the blocks with numpy)."""
+    """``torch.ops.fivefold`` with ``gguf_q4_unpack``, ``gguf_q4_k_unpack`` and ``gguf_q6_k_unpack``, or
+    None (the loader then unpacks the blocks with numpy)."""
     return _load("gguf_blocks")
 
 
@@ -201,7 +201,7 @@ def _why_unavailable(name: str) -> str:
 def kernel_status() -> str:
     parts = []
     for name, loader in (("paged_attention", paged_attention_ops), ("linear_stream", stream_ops),
-                         ("int8_linear", int8_ops), ("int4_linear", int4_ops), ("fused_ops", fused_ops), ("gguf_blocks", gguf_block_ops),
-                         ("decode_loop", decode_loop_ops)):
+                         ("int8_linear", int8_ops), ("int4_linear", int4_ops), ("fused_ops", fused_ops),
+                         ("gguf_blocks", gguf_block_ops), ("decode_loop", decode_loop_ops)):
         parts.append(f"{name} " + ("compiled" if loader() is not None else f"unavailable ({_why_unavailable(name)})"))
     return ", ".join(parts)

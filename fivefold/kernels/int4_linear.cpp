@@ -1562,9 +1562,9 @@ int64_t group_columns(int64_t K, int64_t groups) {
 // q: uint8 [N, K] of values 0..15 (K a multiple of 2W) -> uint8 [N, K / 2W, W] in the kernel's
 // layout (see the top: two columns per byte, tile-major; the N % C rows left over form one
 // narrower tile). One pass over q, tiles spread over the threads, instead of torch's pairing and
-// then relayout's strided copy: a GGUF load packs 7 G codes this way. Zen 4, 2 threads: 4.5 G
-// codes/s alone (14336 x 4096 in 12.8 ms), 1.3-1.8 within an 8B load, where most of its time is
-// the page faults of its fresh output.
+// then relayout's strided copy: a GGUF load packs 7 G codes this way. Zen 4, 2 threads, 14336 x
+// 4096: 52-55 -> 43 ms against the torch ops (alternated builds), 12.8 ms on fresh memory. Most of
+// its time is the faults of its output's huge pages, which compact memory once it is fragmented.
 torch::Tensor int4_pack(torch::Tensor q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8, "int4_pack: expects uint8 [N, K], got ",
               q.scalar_type(), " ", q.sizes());
